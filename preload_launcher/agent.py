@@ -1,0 +1,321 @@
+"""Stage 4b: a multi-rank step. A forked child that parses torchrun's arguments with torchrun's
+own parser, forks N sibling ranks with torchrun's environment contract, hosts the rendezvous
+store as torchrun's agent does, and supervises the ranks all-or-nothing.
+
+The agent never touches CUDA. Ranks are forked *before* the store starts its thread, so every
+rank is forked from a single-threaded process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from typing import Optional
+
+from . import protocol
+from .child import ZygoteState, die_with_parent, run_python_step
+from .command import PythonTarget, StepSpec, parse_python_argv
+from .result import RankFailure
+
+__all__ = ["run_agent", "rank_envs", "unsupported_reason"]
+
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "", socket.gethostname()}
+
+
+class _Shutdown(Exception):
+    """The agent was asked to stop (SIGTERM/SIGINT/SIGHUP/SIGQUIT), like torchrun's SignalException."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_shutdown(signum, _frame):
+    raise _Shutdown(signum)
+
+
+def resolve_nproc(value: str) -> Optional[str]:
+    """``gpu``/``auto`` counted through NVML, never through a CUDA context; None if unknowable."""
+    if value not in ("gpu", "auto"):
+        return value
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            count = min(count, len([v for v in visible.split(",") if v.strip()]))
+    except Exception:
+        count = 0
+    if count > 0:
+        return str(count)
+    return str(os.cpu_count() or 1) if value == "auto" else None
+
+
+def _explicit_master_port(argv: list[str]) -> bool:
+    return any(a.split("=", 1)[0] in ("--master_port", "--master-port") for a in argv) \
+        or "PET_MASTER_PORT" in os.environ
+
+
+def unsupported_reason(args, config) -> str:
+    """Why torchrun itself must run this launch ('' when the agent serves it)."""
+    if (config.min_nodes, config.max_nodes) != (1, 1):
+        return f"multi-node launch (nnodes={config.min_nodes}:{config.max_nodes})"
+    if config.max_restarts:
+        return f"--max-restarts={config.max_restarts}"
+    if args.node_rank:
+        return f"--node-rank={args.node_rank}"
+    if config.rdzv_backend not in ("static", "c10d"):
+        return f"rendezvous backend {config.rdzv_backend}"
+    host = (config.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
+    if config.rdzv_backend == "c10d" and host not in LOCAL_HOSTS:
+        return f"remote rendezvous endpoint {config.rdzv_endpoint}"
+    if args.no_python:
+        return "--no-python"
+    if getattr(args, "local_addr", None):
+        return "--local-addr"
+    if config.nproc_per_node < 1:
+        return f"nproc_per_node={config.nproc_per_node}"
+    return ""
+
+
+def rank_envs(config, master_addr: str, master_port: int, error_dir: str,
+              base_env: dict[str, str]) -> list[dict[str, str]]:
+    """torchrun's per-worker environment (local_elastic_agent ``_start_workers``), one node."""
+    n = config.nproc_per_node
+    envs = []
+    for rank in range(n):
+        env = dict(base_env)
+        env.update({
+            "LOCAL_RANK": str(rank),
+            "RANK": str(rank),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": config.role,
+            "LOCAL_WORLD_SIZE": str(n),
+            "WORLD_SIZE": str(n),
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_WORLD_SIZE": str(n),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+            "TORCHELASTIC_RUN_ID": config.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": os.path.join(error_dir, str(rank), "error.json"),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": getattr(config, "signals_to_handle",
+                                                      "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
+        })
+        envs.append(env)
+    return envs
+
+
+def _parse(spec: StepSpec):
+    """torchrun's own parsing; returns (args, config, cmd, cmd_args) or raises SystemExit."""
+    from torch.distributed import run as torchrun
+    args = torchrun.parse_args(spec.torchrun_args)
+    # The rendezvous defaults of torchrun's ``run()``, which config_from_args does not apply.
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
+                           and args.master_port is None
+                           and torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    nproc = resolve_nproc(str(args.nproc_per_node))
+    if nproc is None:
+        return args, None, None, None
+    args.nproc_per_node = nproc
+    config, cmd, cmd_args = torchrun.config_from_args(args)
+    return args, config, cmd, cmd_args
+
+
+def run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int) -> int:
+    try:
+        args, config, cmd, cmd_args = _parse(spec)
+    except SystemExit as exc:  # argparse already printed torchrun's usage error
+        protocol.send_event(conn_fd, "exec", t=time.time())
+        return exc.code if isinstance(exc.code, int) else 1
+    except ValueError as exc:
+        protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
+        return 0
+    reason = "nproc_per_node=gpu without NVML" if config is None else unsupported_reason(args, config)
+    if reason:
+        protocol.send_event(conn_fd, "fallback", reason=reason, retire=False)
+        return 0
+    if args.run_path:
+        target = PythonTarget(kind="script", value=cmd_args[0], args=list(cmd_args[1:]),
+                              prog=sys.executable)
+    else:
+        target = parse_python_argv([cmd, *cmd_args])
+    protocol.send_event(conn_fd, "exec", t=time.time())
+    os.close(conn_fd)
+    return Agent(spec, state, args, config, target).run()
+
+
+class Agent:
+    def __init__(self, spec: StepSpec, state: ZygoteState, args, config, target: PythonTarget):
+        self.spec = spec
+        self.state = state
+        self.args = args
+        self.config = config
+        self.target = target
+        self.error_dir = tempfile.mkdtemp(prefix="preload_launcher_")
+        self.ranks: dict[int, int] = {}  # pid -> local rank
+        self.go_pipes: dict[int, int] = {}  # local rank -> write end
+        self.failures: dict[int, RankFailure] = {}
+
+    def master(self) -> tuple[str, int]:
+        """Where the agent hosts the store: an explicit port is honoured, else a free one."""
+        if self.config.rdzv_backend == "static":
+            addr = self.args.master_addr
+            explicit = _explicit_master_port(self.spec.torchrun_args)
+            port = int(self.args.master_port) if explicit else int(os.environ.get("MASTER_PORT", 0))
+            return addr, port
+        host, _, port = (self.config.rdzv_endpoint or "localhost:0").rpartition(":")
+        return host or "localhost", int(port or 0) or int(os.environ.get("MASTER_PORT", 0))
+
+    def fork_ranks(self) -> None:
+        for rank in range(self.config.nproc_per_node):
+            go_r, go_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(go_w)
+                for fd in self.go_pipes.values():
+                    os.close(fd)
+                self._become_rank(rank, go_r)
+            os.close(go_r)
+            self.ranks[pid] = rank
+            self.go_pipes[rank] = go_w
+
+    def _become_rank(self, rank: int, go_r: int) -> None:
+        code = 1
+        try:
+            die_with_parent()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            message = b""
+            while not message.endswith(b"\n"):
+                chunk = os.read(go_r, 4096)
+                if not chunk:
+                    os._exit(1)  # the agent gave up before the start
+                message += chunk
+            os.close(go_r)
+            addr, port = message.decode().split()
+            env = rank_envs(self.config, addr, int(port), self.error_dir, dict(os.environ))[rank]
+            os.environ.clear()
+            os.environ.update(env)
+            if rank not in (self.config.logs_specs._local_ranks_filter or {rank}):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+                os.close(devnull)
+            run_python_step(self.target, self.state, None)
+        finally:
+            os._exit(code)
+
+    def start_store(self, addr: str, port: int):
+        from torch.distributed import TCPStore
+        return TCPStore(addr, port,
+                        world_size=self.config.nproc_per_node, is_master=True,
+                        wait_for_workers=False, use_libuv=True)
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(signum, _raise_shutdown)
+        self.fork_ranks()
+        try:
+            addr, port = self.master()
+            try:
+                store = self.start_store(addr, port)
+            except Exception as exc:
+                print(f"[preload_launcher] cannot host the rendezvous store on {addr}:{port}: {exc}",
+                      file=sys.stderr, flush=True)
+                self.terminate(signal.SIGKILL)
+                return 1
+            go = f"{addr} {store.port}\n".encode()
+            for fd in self.go_pipes.values():
+                os.write(fd, go)
+                os.close(fd)
+            self.go_pipes.clear()
+            self.wait_all()
+        except _Shutdown as stop:
+            self.terminate(signal.SIGTERM)
+            if not self.failures:
+                return -stop.signum
+        if self.failures:
+            self.report_failures()
+            first = min(self.failures.values(), key=lambda f: f.timestamp)
+            return first.exitcode
+        return 0
+
+    def wait_all(self) -> None:
+        """Reap ranks; the first failure stops the others (all-or-nothing)."""
+        while self.ranks:
+            pid, status = os.wait()
+            rank = self.ranks.pop(pid, None)
+            if rank is None:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0:
+                self.record_failure(rank, pid, code)
+                self.terminate(signal.SIGTERM)
+                return
+
+    def record_failure(self, rank: int, pid: int, code: int) -> None:
+        self.failures[rank] = RankFailure(rank=rank, local_rank=rank, pid=pid, exitcode=code,
+                                          timestamp=time.time(),
+                                          error_file=os.path.join(self.error_dir, str(rank),
+                                                                  "error.json"))
+
+    def terminate(self, signum: int) -> None:
+        """SIGTERM the rest, wait one deadline, then SIGKILL (torch elastic's ``_close``)."""
+        for pid in self.ranks:
+            _kill(pid, signum)
+        deadline = time.monotonic() + self.spec.grace_s
+        while self.ranks and time.monotonic() < deadline:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            except _Shutdown:
+                break
+            if pid == 0:
+                time.sleep(0.05)
+                continue
+            self.ranks.pop(pid, None)
+        for pid in self.ranks:
+            _kill(pid, signal.SIGKILL)
+        for pid in list(self.ranks):
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        self.ranks.clear()
+
+    def report_failures(self) -> None:
+        """Print torchrun's failure summary, root cause first, through its own formatter."""
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+        failures = {}
+        for rank, f in self.failures.items():
+            pf = ProcessFailure(local_rank=f.local_rank, pid=f.pid, exitcode=f.exitcode,
+                                error_file=f.error_file)
+            if not os.path.isfile(f.error_file):
+                pf.timestamp = int(f.timestamp)
+            failures[rank] = pf
+        name = self.target.value
+        error = ChildFailedError(name=name, failures=failures)
+        sys.stdout.flush()
+        print(f"{type(error).__module__}.{type(error).__name__}: \n{error.format_msg()}",
+              file=sys.stderr, flush=True)
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,288 @@
+"""Stage 4: inside a forked child, become ``python script.py …`` and run it to the end.
+
+The zygote calls ``become_step`` right after ``fork``; it never returns. Everything a test can
+observe is reset to what a fresh interpreter that imported the preloaded modules would show;
+the exit path runs what a program can observe (threads joined, ``atexit``, flush) and then
+``os._exit``, skipping the seconds of module teardown a loaded stack costs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import faulthandler
+import importlib.machinery
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import protocol
+from .command import PythonTarget, StepSpec
+
+__all__ = ["ZygoteState", "become_step", "prepare_process", "run_target", "finish"]
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ZygoteState:
+    """What the child needs from the zygote to look like a fresh interpreter."""
+
+    base_path: list[str]  # sys.path of a fresh interpreter, without sys.path[0]
+    signal_handlers: dict[int, object]  # dispositions right after preload
+    zygote_fds: list[int] = field(default_factory=list)  # to close in the child
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when the forking process dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def restore_signals(handlers: dict[int, object]) -> None:
+    signal.set_wakeup_fd(-1)
+    for signum, handler in handlers.items():
+        try:
+            signal.signal(signum, handler)
+        except (OSError, ValueError, TypeError):
+            pass
+
+
+def attach_stdio(stdin_fd: int, out_fd: int) -> None:
+    """Point fds 0, 1, 2 at the step's stdin and output, keeping the Python stream objects.
+
+    Loggers created during preload hold ``sys.stderr``; keeping the objects keeps them valid.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    for fd in {stdin_fd, out_fd} - {0, 1, 2}:
+        os.close(fd)
+
+
+def configure_stdio(target: PythonTarget, env: dict[str, str]) -> None:
+    """Buffering as a fresh interpreter sets it. The zygote runs with ``-u`` (raw binary
+    layer), so a write-through text layer is truly unbuffered and a buffered one is not."""
+    unbuffered = target.unbuffered or bool(env.get("PYTHONUNBUFFERED"))
+    encoding, _, errors = env.get("PYTHONIOENCODING", "").partition(":")
+    for stream, is_err in ((sys.stdout, False), (sys.stderr, True)):
+        if stream is None:
+            continue
+        if unbuffered:
+            options = {"line_buffering": False, "write_through": True}
+        else:
+            options = {"line_buffering": is_err or os.isatty(stream.fileno()),
+                       "write_through": False}
+        if encoding:
+            options["encoding"] = encoding
+        if errors and not is_err:
+            options["errors"] = errors
+        try:
+            stream.reconfigure(**options)
+        except (AttributeError, ValueError, LookupError):
+            pass
+
+
+def reseed_random_generators() -> None:
+    """Forked children share the zygote's RNG state; a fresh interpreter draws its own."""
+    import random
+    random.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "default_generator"):
+        torch.default_generator.seed()  # CPU only; CUDA generators are created lazily
+    mp_process = sys.modules.get("multiprocessing.process")
+    if mp_process is not None:
+        current = mp_process.current_process()
+        current.authkey = os.urandom(32)
+
+
+def prepare_process(spec: StepSpec, state: ZygoteState, stdin_fd: int, out_fd: int) -> None:
+    """Everything between fork and user code; raises OSError for cwd/stdio problems."""
+    die_with_parent()
+    restore_signals(state.signal_handlers)
+    for fd in state.zygote_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    attach_stdio(stdin_fd, out_fd)
+    os.environ.clear()
+    os.environ.update(spec.env)
+    os.chdir(spec.cwd)
+    reseed_random_generators()
+
+
+def _path0(target: PythonTarget) -> Optional[str]:
+    if os.environ.get("PYTHONSAFEPATH"):
+        return None
+    if target.kind == "script":
+        return os.path.dirname(os.path.realpath(target.value))
+    return os.getcwd() if target.kind == "module" else ""
+
+
+def _fresh_main(target: PythonTarget) -> types.ModuleType:
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=__import__("builtins"), __annotations__={},
+                         __spec__=None, __package__=None)
+    if target.kind == "script":
+        path = os.path.abspath(target.value)
+        main.__file__ = path
+        main.__cached__ = None
+        main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    else:
+        main.__loader__ = importlib.machinery.BuiltinImporter
+    sys.modules["__main__"] = main
+    return main
+
+
+def apply_interpreter_options(target: PythonTarget, state: ZygoteState) -> None:
+    path0 = _path0(target)
+    sys.path[:] = ([path0] if path0 is not None else []) + list(state.base_path)
+    sys.argv = [target.value if target.kind == "script" else f"-{target.kind[0]}", *target.args]
+    sys.dont_write_bytecode = target.dont_write_bytecode or bool(
+        os.environ.get("PYTHONDONTWRITEBYTECODE"))
+    for option in target.warnoptions:
+        sys.warnoptions.append(option)
+        warnings._setoption(option)  # type: ignore[attr-defined]
+    for option in target.xoptions:
+        name, _, value = option.partition("=")
+        sys._xoptions[name] = value or True  # type: ignore[attr-defined]
+    if "faulthandler" in sys._xoptions or os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
+    if "tracemalloc" in sys._xoptions:
+        import tracemalloc
+        tracemalloc.start(int(sys._xoptions["tracemalloc"]) if sys._xoptions["tracemalloc"] is not True else 1)
+
+
+def run_target(target: PythonTarget) -> int:
+    """Run the target as python's main would; returns the exit code (or ends by signal)."""
+    main = _fresh_main(target)
+    try:
+        if target.kind == "module":
+            import runpy
+            runpy._run_module_as_main(target.value, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            if target.kind == "script":
+                try:
+                    with open(target.value, "rb") as f:
+                        source = f.read()
+                except OSError as err:
+                    print(f"{target.prog}: can't open file {os.path.abspath(target.value)!r}: "
+                          f"[Errno {err.errno}] {err.strerror}", file=sys.stderr)
+                    return 2
+                filename = main.__file__
+            else:
+                source, filename = target.value, "<string>"
+            code = compile(source, filename, "exec")
+            exec(code, main.__dict__)
+        return 0
+    except SystemExit as exc:
+        return _system_exit_code(exc)
+    except BaseException as exc:
+        # Drop this frame so the traceback reads as python's own.
+        exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ else None
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        if isinstance(exc, KeyboardInterrupt):
+            return -signal.SIGINT
+        return 1
+
+
+def _system_exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    try:
+        print(code, file=sys.stderr)
+    except Exception:
+        pass
+    return 1
+
+
+def finish(code: int) -> None:
+    """Python's shutdown minus module teardown: join threads, atexit, flush, then _exit."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except BaseException:
+            if code == 0:
+                code = 120  # what python exits with when flushing stdout fails
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+        code = 130
+    os._exit(code & 0xFF if code >= 0 else 1)
+
+
+def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteState) -> None:
+    """The child's whole life after fork: set up, report, run, exit. Never returns."""
+    code = 1
+    try:
+        spec = StepSpec.from_json_dict(spec_data)
+        stdin_fd, out_fd = fds
+        try:
+            prepare_process(spec, state, stdin_fd, out_fd)
+        except OSError as err:
+            protocol.send_event(conn_fd, "error", type=type(err).__name__, errno=err.errno,
+                                strerror=err.strerror, filename=err.filename)
+            os._exit(255)
+        if spec.torchrun_args is not None:
+            from . import agent  # the multi-rank supervisor
+            code = agent.run_agent(spec, state, conn_fd)
+        else:
+            run_python_step(spec.target, state, conn_fd)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def run_python_step(target: PythonTarget, state: ZygoteState, conn_fd: Optional[int]) -> None:
+    """Apply interpreter options, announce the start, run the target and exit like python."""
+    configure_stdio(target, dict(os.environ))
+    apply_interpreter_options(target, state)
+    sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)
+    if conn_fd is not None:
+        protocol.send_event(conn_fd, "exec", t=time.time())
+        os.close(conn_fd)
+    finish(run_target(target))
+
+
+def _python_flags(target: PythonTarget) -> list[str]:
+    flags = (["-u"] if target.unbuffered else []) + (["-B"] if target.dont_write_bytecode else [])
+    for w in target.warnoptions:
+        flags += ["-W", w]
+    for x in target.xoptions:
+        flags += ["-X", x]
+    return flags
+
+
+def _target_argv(target: PythonTarget) -> list[str]:
+    lead = [] if target.kind == "script" else [f"-{target.kind[0]}"]
+    return lead + [target.value, *target.args]

@@ -1,0 +1,522 @@
+"""Stage 5: the caller's side. Start zygotes, submit steps, collect results like ``subprocess.run``.
+
+``run()`` is to ``ZygoteProcess.submit`` what ``subprocess.run`` is to ``Popen``: it owns the
+output pipe, the timeout and the kill-on-any-exception rule.
+"""
+
+from __future__ import annotations
+
+import builtins
+import codecs
+import io
+import json
+import locale
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Mapping, Optional, Sequence, Union
+
+from . import protocol, settings
+from .command import StepSpec, Unsupported, parse_command
+from .result import LauncherError, StepResult
+from .zygote import BOOTSTRAP
+
+__all__ = ["ZygoteProcess", "Launcher", "run", "run_capturing", "default_launcher"]
+
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXIT_DRAIN_S = 0.5  # after the step's exit, how long escaped grandchildren may hold the output
+KILL_WAIT_S = 10.0
+INTERRUPT_GRACE_S = 0.25  # as subprocess.run gives a child on Ctrl-C
+
+
+class ZygoteProcess:
+    """One zygote: a preloaded interpreter listening on a private Unix socket."""
+
+    def __init__(self, modules: Sequence[str], env: Mapping[str, str],
+                 cache_dir: Optional[str] = None, socket_path: Optional[str] = None,
+                 daemon: bool = False) -> None:
+        self.modules = list(modules)
+        self.env = dict(env)
+        self.cache_dir = cache_dir or settings.cache_dir(env)
+        runtime = settings.runtime_dir()
+        self.socket_path = socket_path or os.path.join(
+            runtime, f"z-{os.getpid()}-{id(self):x}-{time.monotonic_ns()}.sock")
+        self.log_path = self.socket_path[:-5] + ".log"
+        self.daemon = daemon
+        self.process: Optional[subprocess.Popen] = None
+        self.status: dict = {}
+        self._alive_w = -1
+        self._ready_r = -1
+        self._ready = threading.Event()
+        self._start_error: Optional[BaseException] = None
+
+    # -------------------------------------------------------------- lifecycle
+
+    def launch(self) -> "ZygoteProcess":
+        """Start the zygote without waiting for its preload (see ``wait_ready``)."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        old_umask = os.umask(0o177)  # socket 0600
+        try:
+            listener.bind(self.socket_path)
+        finally:
+            os.umask(old_umask)
+        listener.listen(128)
+        ready_r, ready_w = os.pipe()
+        alive_r, alive_w = (-1, -1) if self.daemon else os.pipe()
+        config = {"modules": self.modules, "listen_fd": listener.fileno(), "ready_fd": ready_w,
+                  "alive_fd": alive_r, "cache_dir": self.cache_dir, "daemon": self.daemon}
+        pass_fds = [fd for fd in (listener.fileno(), ready_w, alive_r) if fd >= 0]
+        try:
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-u", "-c", BOOTSTRAP, PACKAGE_PARENT, json.dumps(config)],
+                    env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    pass_fds=pass_fds, start_new_session=True, cwd="/")
+        finally:
+            listener.close()
+            os.close(ready_w)
+            if alive_r >= 0:
+                os.close(alive_r)
+        self._alive_w, self._ready_r = alive_w, ready_r
+        return self
+
+    def wait_ready(self) -> dict:
+        """Block until the preload finished; returns the zygote's status."""
+        if self._ready.is_set():
+            if self._start_error:
+                raise self._start_error
+            return self.status
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = os.read(self._ready_r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        os.close(self._ready_r)
+        if not data:
+            self._start_error = LauncherError(
+                f"zygote exited during preload (code {self.process.wait()}); "
+                f"log: {self.log_path}\n{_tail(self.log_path)}")
+            self._ready.set()
+            raise self._start_error
+        self.status = json.loads(data)
+        self._ready.set()
+        return self.status
+
+    def start(self) -> "ZygoteProcess":
+        self.launch()
+        self.wait_ready()
+        return self
+
+    @property
+    def import_env(self) -> dict[str, Optional[str]]:
+        """Environment this zygote's imports depended on (keys read while preloading)."""
+        keys = set(settings.IMPORT_ENV_KEYS) | set(self.status.get("preload", {}).get("import_env", {}))
+        return {k: self.env.get(k) for k in keys}
+
+    def matches(self, env: Mapping[str, str]) -> bool:
+        return all(env.get(k) == v for k, v in self.import_env.items())
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def close(self) -> None:
+        if self._alive_w >= 0:
+            os.close(self._alive_w)  # EOF on its alive pipe: the zygote exits
+            self._alive_w = -1
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for path in (self.socket_path,):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    # -------------------------------------------------------------- requests
+
+    def connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def request(self, op: str) -> dict:
+        """A one-shot request (``status`` or ``stop``); returns the reply event."""
+        with self.connect() as sock:
+            protocol.send_request(sock, {"op": op}, [])
+            return _read_events_until_eof(sock)[0]
+
+    def submit(self, spec: StepSpec, out_w: int, stdin_fd: int) -> socket.socket:
+        sock = self.connect()
+        try:
+            protocol.send_request(sock, {"op": "step", "spec": spec.to_json_dict()},
+                                  [stdin_fd, out_w])
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
+def _read_events_until_eof(sock: socket.socket) -> list[dict]:
+    reader = protocol.EventReader()
+    events: list[dict] = []
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            return events
+        events += reader.feed(data)
+
+
+def _tail(path: str, limit: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------ one step's wait loop
+
+class _StepWait:
+    """Collects a step's output and events until it exits, honouring a deadline."""
+
+    def __init__(self, sock: socket.socket, out_r: int, echo: bool) -> None:
+        self.sock = sock
+        self.out_r = out_r
+        self.echo = echo
+        self.output = bytearray()
+        self.events: dict[str, dict] = {}
+        self._reader = protocol.EventReader()
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sock, selectors.EVENT_READ, "events")
+        self.selector.register(out_r, selectors.EVENT_READ, "output")
+
+    def pump(self, deadline: Optional[float]) -> bool:
+        """Run until exit + output EOF (True) or the deadline (False)."""
+        exit_seen_at: Optional[float] = None
+        while self.selector.get_map():
+            now = time.monotonic()
+            wait = None if deadline is None else max(0.0, deadline - now)
+            if exit_seen_at is not None:
+                grace = exit_seen_at + EXIT_DRAIN_S - now
+                if grace <= 0:
+                    self.events.setdefault("held_output", {})
+                    break
+                wait = grace if wait is None else min(wait, grace)
+            if deadline is not None and wait == 0 and now >= deadline:
+                return False
+            for key, _ in self.selector.select(wait):
+                if key.data == "output":
+                    self._read_output()
+                else:
+                    self._read_events()
+            if "exit" in self.events and exit_seen_at is None:
+                exit_seen_at = time.monotonic()
+            if "fallback" in self.events:
+                return True
+        return True
+
+    def _read_output(self) -> None:
+        data = os.read(self.out_r, 1 << 16)
+        if not data:
+            self.selector.unregister(self.out_r)
+            return
+        self.output += data
+        if self.echo:
+            sys.stdout.write(self._decoder.decode(data))
+            sys.stdout.flush()
+
+    def _read_events(self) -> None:
+        try:
+            data = self.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            self.selector.unregister(self.sock)
+            if "exit" not in self.events and "fallback" not in self.events:
+                self.events["zygote_lost"] = {}
+            return
+        for event in self._reader.feed(data):
+            self.events[event["event"]] = event
+
+    def send_signal(self, signum: int) -> None:
+        try:
+            self.sock.sendall((json.dumps({"op": "signal", "signum": int(signum)}) + "\n").encode())
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.selector.close()
+        os.close(self.out_r)
+        self.sock.close()
+
+
+def _decode(data: bytes) -> str:
+    """Like ``text=True``: locale encoding, universal newlines (never raises on bad bytes)."""
+    encoding = locale.getpreferredencoding(False)
+    return io.TextIOWrapper(io.BytesIO(bytes(data)), encoding=encoding, errors="replace").read()
+
+
+# ------------------------------------------------------------------ the launcher
+
+def _check_env(env: Mapping) -> dict[str, str]:
+    out = {}
+    for key, value in env.items():
+        out[os.fsdecode(key)] = os.fsdecode(value)  # TypeError like subprocess for non-str
+    return out
+
+
+def _check_args(args) -> Union[list[str], str]:
+    if isinstance(args, (str, bytes, os.PathLike)):
+        return os.fsdecode(args)
+    return [os.fsdecode(a) for a in args]
+
+
+class Launcher:
+    """Zygotes by preload set and import-relevant environment, reused across steps."""
+
+    def __init__(self, modules: Optional[Sequence[str]] = None, max_zygotes: int = 3) -> None:
+        self.modules = tuple(modules) if modules is not None else None
+        self.max_zygotes = max_zygotes
+        self.zygotes: list[ZygoteProcess] = []
+        self.stats = {"zygote": 0, "subprocess": 0, "reasons": {}}
+        self._lock = threading.Lock()
+
+    def preload_set(self) -> tuple[str, ...]:
+        return self.modules if self.modules is not None else settings.preload_modules()
+
+    def zygote_for(self, env: Mapping[str, str]) -> ZygoteProcess:
+        """A ready zygote whose preload fits ``env``; starts one when none does."""
+        modules = list(self.preload_set())
+        with self._lock:
+            for z in list(self.zygotes):
+                if not z.alive() and z._ready.is_set():
+                    self.zygotes.remove(z)
+                    z.close()
+            candidates = [z for z in self.zygotes if z.modules == modules]
+            for z in candidates:
+                z.wait_ready()
+                if z.matches(env):
+                    return z
+            if len(self.zygotes) >= self.max_zygotes:
+                oldest = self.zygotes.pop(0)
+                oldest.close()
+            z = ZygoteProcess(modules, env).launch()
+            self.zygotes.append(z)
+        z.wait_ready()
+        return z
+
+    def prestart(self, env: Optional[Mapping[str, str]] = None) -> ZygoteProcess:
+        """Launch a zygote in the background (its preload overlaps the caller's work)."""
+        env = dict(os.environ if env is None else env)
+        with self._lock:
+            z = ZygoteProcess(list(self.preload_set()), env).launch()
+            self.zygotes.append(z)
+        return z
+
+    def close(self) -> None:
+        with self._lock:
+            for z in self.zygotes:
+                z.close()
+            self.zygotes.clear()
+
+    # -------------------------------------------------------------- run
+
+    def run(self, args, *, cwd=None, env=None, timeout=None, check=False, echo=False,
+            input=None) -> StepResult:
+        """Like ``subprocess.run(args, cwd=, env=, timeout=, check=, stdout=PIPE, stderr=STDOUT,
+        text=True)``, served by a forked child of a preloaded zygote when the command allows."""
+        args = _check_args(args)
+        step_env = _check_env(os.environ if env is None else env)
+        step_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
+        if not settings.enabled():
+            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
+                                               "PRELOAD_LAUNCHER=0"))
+        parsed = parse_command(args, step_env, step_cwd) if isinstance(args, list) \
+            else Unsupported("command given as a string")
+        if isinstance(parsed, Unsupported):
+            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
+                                               parsed.reason))
+        try:
+            zygote = self.zygote_for(step_env)
+        except LauncherError as err:
+            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
+                                               f"zygote failed to start: {err}"))
+        result = self._run_in_zygote(zygote, parsed, timeout, echo)
+        if isinstance(result, dict):  # a "fallback" event: the zygote cannot serve this step
+            if result.get("retire", True):
+                self._retire(zygote)  # it refused to fork: it is not clean
+            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
+                                               result["reason"]))
+        self._count(result)
+        if check and result.returncode:
+            raise subprocess.CalledProcessError(result.returncode, args, result.stdout)
+        return result
+
+    def _retire(self, zygote: ZygoteProcess) -> None:
+        with self._lock:
+            if zygote in self.zygotes:
+                self.zygotes.remove(zygote)
+        zygote.close()
+
+    def _count(self, result: StepResult) -> StepResult:
+        with self._lock:
+            self.stats[result.via] += 1
+            if result.reason:
+                self.stats["reasons"][result.reason] = self.stats["reasons"].get(result.reason, 0) + 1
+        return result
+
+    def _run_in_zygote(self, zygote: ZygoteProcess, spec: StepSpec, timeout: Optional[float],
+                       echo: bool) -> Union[StepResult, dict]:
+        """The step's result, or the ``fallback`` event saying why it cannot be served."""
+        out_r, out_w = os.pipe()
+        requested_at = time.time()
+        stdin_fd = 0 if _fd_is_open(0) else os.open(os.devnull, os.O_RDONLY)
+        start = time.monotonic()
+        try:
+            try:
+                sock = zygote.submit(spec, out_w, stdin_fd)
+            except (ConnectionRefusedError, FileNotFoundError):
+                self._retire(zygote)  # it died between steps: replace it once
+                zygote = self.zygote_for(spec.env)
+                sock = zygote.submit(spec, out_w, stdin_fd)
+        except BaseException:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(out_w)
+            if stdin_fd != 0:
+                os.close(stdin_fd)
+        waiter = _StepWait(sock, out_r, echo)
+        deadline = None if timeout is None else start + timeout
+        try:
+            finished = waiter.pump(deadline)
+            if not finished:
+                waiter.send_signal(signal.SIGKILL)
+                waiter.pump(time.monotonic() + KILL_WAIT_S)
+                raise subprocess.TimeoutExpired(spec.args, timeout, output=_decode(waiter.output))
+        except KeyboardInterrupt:
+            waiter.send_signal(signal.SIGINT)
+            if not waiter.pump(time.monotonic() + INTERRUPT_GRACE_S):
+                waiter.send_signal(signal.SIGKILL)
+                waiter.pump(time.monotonic() + KILL_WAIT_S)
+            raise
+        except BaseException:
+            waiter.send_signal(signal.SIGKILL)
+            raise
+        finally:
+            waiter.close()
+        events = waiter.events
+        if "fallback" in events:
+            return events["fallback"]
+        if "error" in events:
+            err = events["error"]
+            exc_type = getattr(builtins, err["type"], None)
+            if not (isinstance(exc_type, type) and issubclass(exc_type, OSError)):
+                raise LauncherError(err.get("strerror") or "step setup failed")
+            raise exc_type(err["errno"], err["strerror"], err["filename"])
+        if "exit" not in events:
+            raise LauncherError(f"zygote {zygote.status.get('pid')} died while running "
+                                f"{spec.args!r}; output so far:\n{_decode(waiter.output)}")
+        reason = "output held open by a daemonised grandchild" if "held_output" in events else ""
+        result = StepResult(spec.args, events["exit"]["returncode"], _decode(waiter.output),
+                            None, via="zygote", reason=reason)
+        # Request -> first line of user code: the launcher's own overhead.
+        result.exec_delay_s = events["exec"]["t"] - requested_at if "exec" in events else None
+        return result
+
+
+def _fd_is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _run_subprocess(args, cwd, env, timeout, check, echo, reason) -> StepResult:
+    """The plain path: ``subprocess.run`` semantics, the step in its own process group."""
+    with subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, process_group=0) as proc:
+        chunks: list[bytes] = []
+
+        def pump() -> None:
+            for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):
+                chunks.append(chunk)
+                if echo:
+                    sys.stdout.write(chunk.decode(errors="replace"))
+                    sys.stdout.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            proc.wait()
+            reader.join(EXIT_DRAIN_S)
+            raise subprocess.TimeoutExpired(args, timeout, output=_decode(b"".join(chunks)))
+        except BaseException:
+            _kill_group(proc.pid)
+            raise
+        _kill_group(proc.pid)  # grandchildren go with the step, as in the zygote path
+        reader.join(EXIT_DRAIN_S)
+        output = _decode(b"".join(chunks))
+    result = StepResult(args, proc.returncode, output, None, via="subprocess", reason=reason)
+    if check and result.returncode:
+        raise subprocess.CalledProcessError(result.returncode, args, output)
+    return result
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_launchers: dict[tuple, Launcher] = {}
+_launchers_lock = threading.Lock()
+
+
+def default_launcher() -> Launcher:
+    """The process-wide launcher for the current ``PRELOAD_LAUNCHER_MODULES``."""
+    modules = settings.preload_modules()
+    with _launchers_lock:
+        if modules not in _launchers:
+            _launchers[modules] = Launcher(modules)
+        return _launchers[modules]
+
+
+def run(args, *, cwd=None, env=None, timeout=None, check=False, echo=False) -> StepResult:
+    """Drop-in for ``subprocess.run(args, cwd=, env=, stdout=PIPE, stderr=STDOUT, text=True)``.
+
+    ``result.stdout`` holds stdout and stderr interleaved; ``result.via`` says whether a
+    zygote's forked child ran it. ``PRELOAD_LAUNCHER=0`` makes this a plain subprocess call.
+    """
+    return default_launcher().run(args, cwd=cwd, env=env, timeout=timeout, check=check, echo=echo)
+
+
+def run_capturing(cmd_parts, cwd=None, env=None, timeout=None) -> tuple[int, str]:
+    """For helpers shaped like ``_run_capturing(cmd_parts, cwd, env) -> (returncode, output)``."""
+    result = run(cmd_parts, cwd=cwd, env=env, timeout=timeout)
+    return result.returncode, result.stdout

@@ -1,0 +1,210 @@
+"""Stage 1: a command line -> a ``StepSpec`` the zygote can serve, or the reason it cannot.
+
+Only forms whose meaning is certain are served; everything else runs as a plain subprocess.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Union
+
+__all__ = ["StepSpec", "PythonTarget", "Unsupported", "parse_command", "parse_python_argv"]
+
+# -X options that can be honoured in a forked child (others change interpreter start-up).
+APPLICABLE_XOPTIONS = ("faulthandler", "tracemalloc", "warn_default_encoding")
+
+
+@dataclass
+class PythonTarget:
+    """What ``python [opts] script|-m mod|-c code args…`` runs."""
+
+    kind: str  # "script", "module" or "code"
+    value: str
+    args: list[str] = field(default_factory=list)
+    prog: str = "python"  # argv[0] as typed, for python's own error messages
+    unbuffered: bool = False
+    dont_write_bytecode: bool = False
+    warnoptions: list[str] = field(default_factory=list)
+    xoptions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepSpec:
+    """One step as the zygote's child receives it (plain data, sent as JSON)."""
+
+    args: list[str]
+    env: dict[str, str]
+    cwd: str
+    target: Optional[PythonTarget] = None  # single-rank python step
+    torchrun_args: Optional[list[str]] = None  # multi-rank step: torchrun's own arguments
+    grace_s: float = 30.0  # SIGTERM -> SIGKILL grace for sibling ranks (torchrun's default)
+
+    def to_json_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json_dict(cls, data: dict) -> "StepSpec":
+        target = data.get("target")
+        return cls(**{**data, "target": PythonTarget(**target) if target else None})
+
+
+@dataclass
+class Unsupported:
+    """The command is not one the zygote serves; ``reason`` says why."""
+
+    reason: str
+
+
+def _shebang_interpreter(path: str) -> Optional[str]:
+    """The interpreter named by a script's ``#!`` line, or None."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode(errors="replace").split()
+    if not words:
+        return None
+    if os.path.basename(words[0]) == "env" and len(words) > 1:
+        return None  # "#!/usr/bin/env X" depends on PATH: ask the program instead
+    return words[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_executable(program: str, path_env: str, cwd: str, selector: str) -> Optional[str]:
+    """Ask a wrapper (pyenv shim, ``env`` shebang) which interpreter it really starts."""
+    env = dict(os.environ, PATH=path_env)
+    env.update(json.loads(selector))
+    try:
+        out = subprocess.run([program, "-c", "import sys; print(sys.executable)"], env=env,
+                             cwd=cwd or None, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _same_file_and_dir(a: str, b: str) -> bool:
+    # A venv's bin/python links to the base interpreter but starts with another sys.prefix.
+    return (os.path.realpath(a) == os.path.realpath(b)
+            and os.path.dirname(os.path.abspath(a)) == os.path.dirname(os.path.abspath(b)))
+
+
+def resolves_to_this_interpreter(program: str, env: dict[str, str], cwd: str,
+                                 python_sibling: bool = False) -> bool:
+    """True when ``program`` (through the step's PATH) starts ``sys.executable``.
+
+    Binaries are compared by file and directory; ``#!`` scripts by their interpreter;
+    wrappers (pyenv shims, ``#!/usr/bin/env``) are asked once. ``python_sibling`` asks the
+    ``python`` beside a wrapper instead (for ``torchrun``, which takes no ``-c``).
+    """
+    path_env = env.get("PATH", os.defpath)
+    found = program if os.sep in program else shutil.which(program, path=path_env)
+    if not found or not os.path.isfile(found):
+        return False
+    if cwd and not os.path.isabs(found):
+        found = os.path.join(cwd, found)
+    if _same_file_and_dir(found, sys.executable):
+        return True
+    with open(found, "rb") as f:
+        is_script = f.read(2) == b"#!"
+    if not is_script:
+        return False
+    interpreter = _shebang_interpreter(found)
+    if interpreter is not None and not interpreter.endswith("sh"):
+        return _same_file_and_dir(interpreter, sys.executable)
+    probe = os.path.join(os.path.dirname(found), "python") if python_sibling else found
+    selector = json.dumps({k: v for k, v in env.items() if k.startswith(("PYENV", "VIRTUAL_ENV"))},
+                          sort_keys=True)
+    return _probe_executable(probe, path_env, cwd, selector) == sys.executable
+
+
+def _looks_like_python(program: str) -> bool:
+    name = os.path.basename(program)
+    return (name in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
+            or os.path.abspath(program) == os.path.abspath(sys.executable))
+
+
+def parse_python_argv(argv: list[str]) -> Union[PythonTarget, Unsupported]:
+    """Parse ``python`` options the way CPython's getopt does, for the forms we serve.
+
+    ``argv[0]`` is the program; supported options: ``-u -B -W arg -X opt`` (combinable,
+    ``-Warg`` and ``-W arg`` both), then ``script``, ``-m mod`` or ``-c code``.
+    """
+    target = PythonTarget(kind="", value="", prog=argv[0])
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--" and i + 1 < len(argv):
+            target.kind, target.value, target.args = "script", argv[i + 1], argv[i + 2:]
+            return target
+        if not arg.startswith("-") or arg == "-":
+            if arg == "-":
+                return Unsupported("script from standard input")
+            target.kind, target.value, target.args = "script", arg, argv[i + 1:]
+            return target
+        j = 1
+        while j < len(arg):
+            opt = arg[j]
+            rest = arg[j + 1:]
+            if opt in "mcWX":
+                if rest:
+                    value = rest
+                elif i + 1 < len(argv):
+                    i += 1
+                    value = argv[i]
+                else:
+                    return Unsupported(f"option -{opt} needs an argument")
+                if opt == "m":
+                    target.kind, target.value, target.args = "module", value, argv[i + 1:]
+                    return target
+                if opt == "c":
+                    target.kind, target.value, target.args = "code", value, argv[i + 1:]
+                    return target
+                if opt == "W":
+                    target.warnoptions.append(value)
+                else:
+                    if value.split("=", 1)[0] not in APPLICABLE_XOPTIONS:
+                        return Unsupported(f"-X {value} changes interpreter start-up")
+                    target.xoptions.append(value)
+                break
+            if opt == "u":
+                target.unbuffered = True
+            elif opt == "B":
+                target.dont_write_bytecode = True
+            else:
+                return Unsupported(f"python option -{opt} is not served by the zygote")
+            j += 1
+        i += 1
+    return Unsupported("no script, -m or -c: interactive interpreter")
+
+
+def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepSpec, Unsupported]:
+    """Classify ``args``: a python step, a torchrun step, or ``Unsupported`` with a reason."""
+    if not args:
+        return Unsupported("empty command")
+    program = args[0]
+    if os.path.basename(program) == "torchrun":
+        if not resolves_to_this_interpreter(program, env, cwd, python_sibling=True):
+            return Unsupported(f"{program} does not run {sys.executable}")
+        return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(args[1:]))
+    if not _looks_like_python(program):
+        return Unsupported(f"{os.path.basename(program)} is not a python interpreter")
+    if not resolves_to_this_interpreter(program, env, cwd):
+        return Unsupported(f"{program} does not run {sys.executable}")
+    target = parse_python_argv(list(args))
+    if isinstance(target, Unsupported):
+        return target
+    if target.kind == "script" and not os.path.isfile(os.path.join(cwd, target.value)) \
+            and os.path.exists(os.path.join(cwd, target.value)):
+        return Unsupported("directory or archive as script")
+    if target.kind == "module" and target.value == "torch.distributed.run":
+        return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(target.args))
+    return StepSpec(args=list(args), env=env, cwd=cwd, target=target)

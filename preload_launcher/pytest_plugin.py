@@ -1,0 +1,97 @@
+"""pytest plugin: one zygote per session (per xdist worker), started while tests are collected.
+
+Enabled by default once installed; per CI lane: ``PRELOAD_LAUNCHER=0|1`` (wins), then
+``--preload-launcher/--no-preload-launcher``. Preload set: ``PRELOAD_LAUNCHER_MODULES`` (wins),
+then the ``preload_launcher_modules`` ini key, then the default.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import pytest
+
+from . import client, settings
+
+PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"
+MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
+
+launcher_key = pytest.StashKey[Optional[client.Launcher]]()
+started_key = pytest.StashKey[float]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("preload_launcher")
+    group.addoption("--preload-launcher", dest="preload_launcher", action="store_true",
+                    default=None, help=PRELOAD_LAUNCHER_DESC)
+    group.addoption("--no-preload-launcher", dest="preload_launcher", action="store_false",
+                    help="run every step as a plain subprocess")
+    parser.addini("preload_launcher_modules", MODULES_DESC, default=None)
+
+
+def resolve_enabled(config: pytest.Config) -> bool:
+    """env > CLI > default (on)."""
+    if os.environ.get("PRELOAD_LAUNCHER") is not None:
+        return settings.enabled()
+    option = config.getoption("preload_launcher")
+    return True if option is None else bool(option)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    enabled = resolve_enabled(config)
+    if not enabled:
+        os.environ["PRELOAD_LAUNCHER"] = "0"  # so preload_launcher.run() in tests agrees
+        config.stash[launcher_key] = None
+        return
+    modules = settings.preload_modules(ini=config.getini("preload_launcher_modules"))
+    launcher = client.Launcher(modules)
+    client._launchers[modules] = launcher  # run() in this process uses the session's zygote
+    config.stash[launcher_key] = launcher
+    config.stash[started_key] = time.monotonic()
+    if getattr(config, "workerinput", None) is not None or not config.option.collectonly:
+        launcher.prestart()  # preload overlaps collection
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    launcher = config.stash.get(launcher_key, None)
+    if launcher is not None:
+        launcher.close()
+
+
+@pytest.fixture(scope="session")
+def preload_launcher(pytestconfig: pytest.Config) -> client.Launcher:
+    """The session's launcher (``.run(args, cwd=, env=, timeout=, check=)``)."""
+    launcher = pytestconfig.stash.get(launcher_key, None)
+    return launcher if launcher is not None else client.Launcher(())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    launcher = config.stash.get(launcher_key, None)
+    if launcher is None:
+        if os.environ.get("PRELOAD_LAUNCHER") == "0":
+            terminalreporter.write_sep("-", "preload_launcher: off (plain subprocesses)")
+        return
+    stats = launcher.stats
+    if not stats["zygote"] and not stats["subprocess"]:
+        return
+    tr = terminalreporter
+    tr.write_sep("-", "preload_launcher")
+    tr.write_line(f"steps via zygote: {stats['zygote']}, via subprocess: {stats['subprocess']}")
+    for reason, count in sorted(stats["reasons"].items()):
+        tr.write_line(f"  subprocess because {reason}: {count}")
+    for z in launcher.zygotes:
+        report = z.status.get("preload", {})
+        if not report:
+            continue
+        tr.write_line(f"zygote {z.status.get('pid')}: preloaded {', '.join(report['loaded']) or '(none)'}"
+                      f" in {report['seconds']:.1f} s")
+        for entry, verdict in report.get("quarantined", {}).items():
+            tr.write_line(f"  quarantined {entry}: {verdict['reason']} ({verdict['culprit']})")
+        failed = [e["module"] for e in report.get("entries", []) if not e["ok"]]
+        if failed:
+            tr.write_line(f"  not importable: {', '.join(failed)}")
+        saved = report["seconds"] * max(0, stats["zygote"] - 1)
+        tr.write_line(f"  estimated import time saved: {saved:.1f} s "
+                      f"({stats['zygote']} steps x {report['seconds']:.1f} s preload, minus one)")

@@ -1,0 +1,339 @@
+"""Stage 3: the zygote. Preloads, proves it is fork-clean, then forks one child per request.
+
+One selector loop and no threads: a listener, a SIGCHLD wakeup fd, the starter's "alive" pipe,
+and one connection per running step (its EOF means the caller died: the step is killed). The
+zygote decodes only the request envelope; the child decodes the step.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Optional
+
+from . import protocol
+from .child import ZygoteState, become_step
+from .preload import (PreloadReport, VerdictCache, native_threads, package_fingerprint, preload,
+                      probe_from_env, torch_cuda_initialized, verdict_for)
+
+__all__ = ["main", "BOOTSTRAP"]
+
+
+
+def say(fmt: str, *args) -> None:
+    """Log to the zygote's stderr (its log file). The root logger stays unconfigured: children
+    inherit it, and a fresh interpreter has no handlers."""
+    print(time.strftime("%H:%M:%S"), f"zygote[{os.getpid()}]", fmt % args, file=sys.stderr,
+          flush=True)
+
+SKIP_ENV = "_PRELOAD_LAUNCHER_QUARANTINE"
+REQUEST_READ_TIMEOUT_S = 10.0
+
+# Started as ``python -c BOOTSTRAP PKG_PARENT CONFIG_JSON``: sys.path keeps what a fresh
+# interpreter has (minus sys.path[0]), whether or not the package is installed.
+BOOTSTRAP = (
+    "import sys; base = sys.path[1:]; sys.path.insert(0, sys.argv[1]); "
+    "from preload_launcher import zygote; sys.path[:] = base; "
+    "zygote.main(sys.argv[2], base)"
+)
+
+
+class Step:
+    """A running step as the zygote sees it: child pid and its client connection."""
+
+    def __init__(self, pid: int, conn: socket.socket, multi_rank: bool) -> None:
+        self.pid = pid
+        self.conn = conn
+        self.multi_rank = multi_rank
+        self.started = time.monotonic()
+
+
+class Zygote:
+    def __init__(self, config: dict, base_path: list[str]) -> None:
+        self.config = config
+        self.base_path = base_path
+        self.listener = socket.socket(fileno=config["listen_fd"])
+        self.alive_fd: int = config.get("alive_fd", -1)
+        self.selector = selectors.DefaultSelector()
+        self.steps: dict[int, Step] = {}  # pid -> step
+        self.served = 0
+        self.started_at = time.time()
+        self.report: Optional[PreloadReport] = None
+        self.probe = probe_from_env()
+        self.signal_handlers: dict[int, object] = {}
+        self.stopping = False
+
+    # -------------------------------------------------------------- start-up
+
+    def run_preload(self) -> None:
+        skip = json.loads(os.environ.pop(SKIP_ENV, "{}"))
+        cache = VerdictCache(self.config["cache_dir"],
+                             f"{package_fingerprint()}-{self.probe.name}")
+        skip.update({k: v for k, v in cache.get().items() if k in self.config["modules"]})
+        from .preload import recording_env_reads
+        with recording_env_reads() as keys:
+            report = preload(self.config["modules"], self.probe, skip)
+        report.import_env = {k: os.environ.get(k) for k in sorted(keys)
+                             if k not in ("PYTORCH_NVML_BASED_CUDA_CHECK", SKIP_ENV)}
+        if report.dirty_entry:
+            entry = report.entries[-1]
+            verdict = verdict_for(entry)
+            say("preload entry %s %s (culprit %s via %s); restarting without it",
+                        entry.module, verdict["reason"], verdict["culprit"],
+                        " -> ".join(verdict["chain"]))
+            cache.put(entry.module, verdict)
+            skip[entry.module] = verdict
+            self.restart_without(skip)
+        self.report = report
+
+    def restart_without(self, skip: dict) -> None:
+        """Re-exec with the quarantine: the pid, socket and pipes survive, the dirt does not."""
+        for fd in (self.config["listen_fd"], self.config["ready_fd"], self.alive_fd):
+            if fd >= 0:
+                os.set_inheritable(fd, True)
+        os.environ[SKIP_ENV] = json.dumps(skip)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, sys.orig_argv)
+
+    def snapshot_signals(self) -> None:
+        for signum in signal.valid_signals():
+            try:
+                handler = signal.getsignal(signum)
+            except (OSError, ValueError):
+                continue
+            if handler is not None:
+                self.signal_handlers[signum] = handler
+
+    def announce_ready(self) -> None:
+        os.write(self.config["ready_fd"], (json.dumps(self.status()) + "\n").encode())
+        os.close(self.config["ready_fd"])
+
+    # -------------------------------------------------------------- status
+
+    def status(self) -> dict:
+        report = self.report.to_dict() if self.report else {}
+        return {
+            "pid": os.getpid(), "python": sys.executable, "started_at": self.started_at,
+            "uptime_s": round(time.time() - self.started_at, 1), "served": self.served,
+            "running": len(self.steps), "rss_kb": _rss_kb(), "fds": _fd_count(),
+            "native_threads": native_threads(), "preload": report,
+            "modules": self.config["modules"], "daemon": bool(self.config.get("daemon")),
+        }
+
+    def fork_refusal(self) -> str:
+        """Why this process may not fork a step right now ('' when it may)."""
+        if self.probe.initialized():
+            return "zygote CUDA driver is initialised"
+        if torch_cuda_initialized():
+            return "zygote torch.cuda is initialised"
+        if threading.active_count() != 1:
+            return f"zygote has {threading.active_count()} Python threads"
+        return ""
+
+    # -------------------------------------------------------------- loop
+
+    def serve(self) -> None:
+        sig_r, sig_w = os.pipe()
+        os.set_blocking(sig_w, False)
+        os.set_blocking(sig_r, False)
+        signal.set_wakeup_fd(sig_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop())
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the steps
+        self.own_fds = [self.listener.fileno(), sig_r, sig_w, self.selector.fileno()]
+        if self.alive_fd >= 0:
+            self.own_fds.append(self.alive_fd)
+            self.selector.register(self.alive_fd, selectors.EVENT_READ, "alive")
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(sig_r, selectors.EVENT_READ, "signal")
+        while not self.stopping:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    self.accept()
+                elif key.data == "signal":
+                    _drain(sig_r)
+                    self.reap()
+                elif key.data == "alive":
+                    self.request_stop()
+                else:
+                    self.on_step_conn(key.data)
+        self.shutdown()
+
+    def request_stop(self) -> None:
+        self.stopping = True
+
+    def shutdown(self) -> None:
+        for step in list(self.steps.values()):
+            _killpg(step.pid, signal.SIGKILL)
+        os._exit(0)
+
+    def accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            if not _peer_is_same_user(conn):
+                protocol.send_event(conn, "refused", reason="peer uid differs")
+                conn.close()
+                return
+            conn.settimeout(REQUEST_READ_TIMEOUT_S)
+            request, fds = protocol.recv_request(conn)
+        except (OSError, ValueError) as err:
+            protocol.send_event(conn, "error", type="LauncherError", errno=None,
+                                strerror=f"bad request: {err}", filename=None)
+            conn.close()
+            return
+        op = request.get("op")
+        if op == "step" and len(fds) == 2 and isinstance(request.get("spec"), dict):
+            self.fork_step(conn, request["spec"], fds)
+            return
+        for fd in fds:
+            os.close(fd)
+        if op == "status":
+            protocol.send_event(conn, "status", **self.status())
+        elif op == "stop":
+            protocol.send_event(conn, "stopping", pid=os.getpid())
+            self.request_stop()
+        else:
+            protocol.send_event(conn, "error", type="LauncherError", errno=None,
+                                strerror=f"unknown request {op!r}", filename=None)
+        conn.close()
+
+    def fork_step(self, conn: socket.socket, spec: dict, fds: list[int]) -> None:
+        refusal = self.fork_refusal()
+        if refusal:
+            say("refusing to fork: %s", refusal)
+            protocol.send_event(conn, "fallback", reason=refusal)
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, 0)
+            conn.settimeout(None)
+            others = [s.conn.fileno() for s in self.steps.values()]
+            state = ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others)
+            become_step(spec, fds, conn.fileno(), state)
+        try:
+            os.setpgid(pid, pid)  # also here: the client may signal the group at once
+        except OSError:
+            pass
+        for fd in fds:
+            os.close(fd)
+        self.served += 1
+        step = Step(pid, conn, multi_rank=spec.get("torchrun_args") is not None)
+        self.steps[pid] = step
+        conn.setblocking(False)
+        protocol_send(conn, "started", pid=pid)
+        self.selector.register(conn, selectors.EVENT_READ, step)
+
+    def on_step_conn(self, step: Step) -> None:
+        """A message from the client of a running step: a signal to forward, or EOF."""
+        try:
+            data = step.conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            # The caller is gone (killed, timed out with os._exit): so is its step.
+            _killpg(step.pid, signal.SIGKILL)
+            self.selector.unregister(step.conn)
+            return
+        for message in protocol.EventReader().feed(data):
+            if message.get("op") == "signal":
+                _killpg(step.pid, int(message["signum"]))
+
+    def reap(self) -> None:
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if info is None:
+                return
+            pid = info.si_pid
+            # The leader is a zombie: its group cannot be recycled yet, so this is safe.
+            _killpg(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            step = self.steps.pop(pid, None)
+            if step is None:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            try:
+                self.selector.unregister(step.conn)
+            except (KeyError, ValueError):
+                pass
+            step.conn.setblocking(True)
+            protocol.send_event(step.conn, "exit", returncode=code)
+            step.conn.close()
+
+
+def protocol_send(conn: socket.socket, event: str, **fields) -> None:
+    conn.setblocking(True)
+    protocol.send_event(conn, event, **fields)
+    conn.setblocking(False)
+
+
+def _peer_is_same_user(conn: socket.socket) -> bool:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _rss_kb() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _fd_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def main(config_json: str, base_path: list[str]) -> None:
+    config = json.loads(config_json)
+    zygote = Zygote(config, base_path)
+    zygote.run_preload()
+    zygote.snapshot_signals()  # after preload: handlers that imports install are kept
+    gc.collect()
+    gc.freeze()  # children never touch (and copy) the preloaded objects' pages in GC
+    zygote.announce_ready()
+    zygote.serve()

@@ -1,0 +1,56 @@
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from preload_launcher import Launcher
+
+PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
+PY = sys.executable
+
+pytest_plugins = ["pytester"]
+
+
+def program(name: str) -> str:
+    return os.path.join(PROGRAMS, name)
+
+
+def plain(args, **kwargs) -> subprocess.CompletedProcess:
+    """The reference: what subprocess.run gives for the same command."""
+    return subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          **kwargs)
+
+
+@pytest.fixture(scope="session")
+def light():
+    """A launcher whose zygote preloads only the standard library (fast to start)."""
+    launcher = Launcher(["json", "logging"])
+    yield launcher
+    launcher.close()
+
+
+@pytest.fixture(scope="session")
+def torch_launcher():
+    launcher = Launcher(["torch"])
+    yield launcher
+    launcher.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,27 @@
+import os, signal, sys, threading, atexit, time
+how = sys.argv[1]
+print("start", flush=False)
+print("to-stderr", file=sys.stderr)
+if how == "atexit":
+    atexit.register(lambda: print("atexit ran"))
+elif how == "thread":
+    def work():
+        time.sleep(0.3)
+        print("thread finished")
+    threading.Thread(target=work).start()
+elif how == "code3":
+    sys.exit(3)
+elif how == "message":
+    sys.exit("fatal: bad things")
+elif how == "raise":
+    raise ValueError("boom")
+elif how == "signal":
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGTERM)
+elif how == "segv":
+    sys.stdout.flush()
+    import ctypes
+    ctypes.string_at(0)
+elif how == "keyboard":
+    raise KeyboardInterrupt
+print("end")

@@ -1,0 +1,47 @@
+import os
+import sys
+
+from preload_launcher.command import StepSpec, Unsupported, parse_command, parse_python_argv
+
+ENV = dict(os.environ)
+
+
+def test_python_forms_are_served():
+    spec = parse_command([sys.executable, "-u", "-B", "-W", "ignore", "-Xfaulthandler", "s.py", "a"],
+                         ENV, "/tmp")
+    assert isinstance(spec, StepSpec)
+    t = spec.target
+    assert (t.kind, t.value, t.args) == ("script", "s.py", ["a"])
+    assert t.unbuffered and t.dont_write_bytecode
+    assert t.warnoptions == ["ignore"] and t.xoptions == ["faulthandler"]
+
+
+def test_module_and_code_forms():
+    assert parse_python_argv(["python", "-m", "pkg.mod", "--x"]).args == ["--x"]
+    t = parse_python_argv(["python", "-uc", "print(1)", "z"])
+    assert (t.kind, t.value, t.args, t.unbuffered) == ("code", "print(1)", ["z"], True)
+    assert parse_python_argv(["python", "-mpkg"]).value == "pkg"
+
+
+def test_unknown_or_unsafe_forms_fall_back():
+    for argv in (["python", "-E", "s.py"], ["python"], ["python", "-", "x"],
+                 ["python", "-X", "importtime", "s.py"], ["python", "-I", "s.py"]):
+        assert isinstance(parse_python_argv(argv), Unsupported), argv
+    assert isinstance(parse_command([], ENV, "/tmp"), Unsupported)
+    assert isinstance(parse_command(["bash", "-c", "true"], ENV, "/tmp"), Unsupported)
+    assert isinstance(parse_command(["/no/such/python3", "s.py"], ENV, "/tmp"), Unsupported)
+
+
+def test_torchrun_forms():
+    spec = parse_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "s.py"],
+                         ENV, "/tmp")
+    assert spec.torchrun_args == ["--nproc-per-node=2", "s.py"]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    spec = parse_command([torchrun, "--nproc_per_node", "2", "s.py"], ENV, "/tmp")
+    assert isinstance(spec, StepSpec) and spec.torchrun_args[0] == "--nproc_per_node"
+
+
+def test_spec_round_trips_as_json():
+    spec = parse_command([sys.executable, "-c", "pass", "\udcff"], ENV, "/tmp")
+    again = StepSpec.from_json_dict(spec.to_json_dict())
+    assert again == spec

@@ -1,0 +1,97 @@
+"""The same programs as plain subprocesses and through run(): every observation must agree."""
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import PY, plain, program
+
+# Observations that differ between any two fresh processes, compared separately.
+PER_PROCESS = ("random", "torch_rand")
+
+
+def observe(runner, args, **kwargs):
+    # env=None means os.environ for run(); C code may putenv() behind os.environ's back, and
+    # subprocess would pass that on, so both get the same explicit mapping.
+    kwargs.setdefault("env", dict(os.environ))
+    result = runner(args, **kwargs)
+    assert result.returncode == 0, result.stdout
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def strip(obs):
+    return {k: v for k, v in obs.items() if k not in PER_PROCESS}
+
+
+@pytest.mark.parametrize("form", ["script", "relative-script", "module", "code"])
+def test_fresh_interpreter_observations_match(light, tmp_path, form):
+    env = dict(os.environ, OBSERVE_MARKER="m1", PYTHONPATH=os.path.dirname(program("observe.py")))
+    src = open(program("observe.py")).read()
+    args = {
+        "script": [PY, program("observe.py"), "arg1", "--flag"],
+        "relative-script": [PY, "programs/observe.py", "x"],
+        "module": [PY, "-m", "observe", "y"],
+        "code": [PY, "-c", src, "z"],
+    }[form]
+    cwd = os.path.dirname(os.path.dirname(program("observe.py"))) if form == "relative-script" \
+        else str(tmp_path)
+    ref = observe(plain, args, cwd=cwd, env=env)
+    got_result = light.run(args, cwd=cwd, env=env)
+    assert got_result.via == "zygote", got_result.reason
+    got = json.loads(got_result.stdout.strip().splitlines()[-1])
+    assert strip(got) == strip(ref)
+
+
+def test_random_streams_differ_between_steps(light):
+    draws = {observe(light.run, [PY, program("observe.py")])["random"] for _ in range(3)}
+    assert len(draws) == 3
+
+
+def test_torch_generator_starts_fresh_in_every_step(torch_launcher):
+    args = [PY, program("observe.py"), "torch"]
+    ref = observe(plain, args)
+    runs = [torch_launcher.run(args) for _ in range(3)]
+    assert {r.via for r in runs} == {"zygote"}
+    obs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+    assert len({o["torch_rand"] for o in obs}) == 3  # torch seeds from entropy per process
+    assert {o["torch_threads"] for o in obs} == {ref["torch_threads"]}
+    assert strip(obs[0]) == strip(ref)
+
+
+def test_python_options_are_applied(light):
+    args = [PY, "-B", "-W", "error::DeprecationWarning", program("observe.py")]
+    assert strip(observe(light.run, args)) == strip(observe(plain, args))
+
+
+@pytest.mark.parametrize("how,code", [("ok", 0), ("code3", 3), ("message", 1), ("raise", 1),
+                                      ("signal", -15), ("segv", -11), ("atexit", 0),
+                                      ("thread", 0), ("keyboard", -2)])
+def test_exit_semantics_match(light, how, code):
+    args = [PY, program("exits.py"), how]
+    ref = plain(args)
+    got = light.run(args)
+    assert got.via == "zygote"
+    assert (got.returncode, ref.returncode) == (code, code)
+    assert got.stdout == ref.stdout
+
+
+def test_missing_script_is_pythons_own_error(light, tmp_path):
+    args = [PY, str(tmp_path / "nope.py")]
+    ref, got = plain(args), light.run(args)
+    assert got.via == "zygote"
+    assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout) == (2, ref.stdout)
+    assert "can't open file" in got.stdout
+
+
+def test_missing_module_is_pythons_own_error(light):
+    args = [PY, "-m", "no_such_module_xyz"]
+    ref, got = plain(args), light.run(args)
+    assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
+
+
+def test_interleaved_output_order_is_kept(light):
+    code = ("import sys\nfor i in range(200):\n    print('out', i, flush=True)\n"
+            "    print('err', i, file=sys.stderr, flush=True)\n")
+    ref, got = plain([PY, "-c", code]), light.run([PY, "-c", code])
+    assert got.stdout == ref.stdout
