@@ -119,6 +119,9 @@ def rank_envs(config, master_addr: str, master_port: int, error_dir: str,
 def _parse(spec: StepSpec):
     """torchrun's own parsing; returns (args, config, cmd, cmd_args) or raises SystemExit."""
     from torch.distributed import run as torchrun
+    # argparse names itself after argv[0]: "torchrun", or "run.py" under python -m.
+    program = spec.args[0] if os.path.basename(spec.args[0]) == "torchrun" else torchrun.__file__
+    sys.argv = [program, *spec.torchrun_args]
     args = torchrun.parse_args(spec.torchrun_args)
     # The rendezvous defaults of torchrun's ``run()``, which config_from_args does not apply.
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint

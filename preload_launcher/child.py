@@ -114,6 +114,16 @@ def reseed_random_generators() -> None:
         current.authkey = os.urandom(32)
 
 
+def coerce_c_locale() -> None:
+    """PEP 538: under the C/POSIX locale a fresh interpreter sets ``LC_CTYPE=C.UTF-8``."""
+    env = os.environ
+    if env.get("LC_ALL") or env.get("PYTHONCOERCECLOCALE") == "0":
+        return
+    ctype = env.get("LC_CTYPE") or env.get("LANG") or "C"
+    if ctype in ("C", "POSIX"):
+        env["LC_CTYPE"] = "C.UTF-8"
+
+
 def prepare_process(spec: StepSpec, state: ZygoteState, stdin_fd: int, out_fd: int) -> None:
     """Everything between fork and user code; raises OSError for cwd/stdio problems."""
     die_with_parent()
@@ -126,6 +136,7 @@ def prepare_process(spec: StepSpec, state: ZygoteState, stdin_fd: int, out_fd: i
     attach_stdio(stdin_fd, out_fd)
     os.environ.clear()
     os.environ.update(spec.env)
+    coerce_c_locale()
     os.chdir(spec.cwd)
     reseed_random_generators()
 
@@ -232,12 +243,24 @@ def finish(code: int) -> None:
         except BaseException:
             if code == 0:
                 code = 120  # what python exits with when flushing stdout fails
-    if code == -signal.SIGINT:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)
-        code = 130
-    os._exit(code & 0xFF if code >= 0 else 1)
+    exit_with(code)
+
+
+def exit_with(code: int) -> None:
+    """``os._exit`` for codes >= 0; a negative code -N ends the process by signal N, as the
+    parent's ``waitpid`` then reports it (python itself does this for KeyboardInterrupt)."""
+    if code < 0:
+        signum = -code
+        try:
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(signum, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+            os.kill(os.getpid(), signum)
+            time.sleep(5)
+        except (OSError, ValueError):
+            pass
+        code = 128 + signum
+    os._exit(code & 0xFF)
 
 
 def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteState) -> None:
@@ -260,7 +283,7 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteStat
     except BaseException:
         traceback.print_exc()
     finally:
-        os._exit(code)
+        exit_with(code)
 
 
 def run_python_step(target: PythonTarget, state: ZygoteState, conn_fd: Optional[int]) -> None:

@@ -1,0 +1,22 @@
+"""A rank that reports torchrun's contract and proves the gloo rendezvous works."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+world = dist.get_world_size()
+assert t.item() == world * (world + 1) / 2, t
+contract = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+            "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_")
+env = {k: v for k, v in os.environ.items() if k.startswith(contract) or k in ("OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+print("RANKINFO " + json.dumps({"rank": dist.get_rank(), "env": env, "argv": sys.argv[1:]}), flush=True)
+dist.destroy_process_group()
+code = int(os.environ.get("EXIT_CODE_RANK_%d" % int(os.environ["RANK"]), "0"))
+if code:
+    sys.exit(code)

@@ -1,0 +1,127 @@
+"""torchrun --nproc_per_node=N as N forked siblings, against the real torchrun."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import PY, plain, program, wait_gone
+
+TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
+VARYING = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+
+
+def rank_infos(output):
+    # Ranks share one stream and python -u writes a print's text and newline separately (as
+    # under torchrun), so records may share a line: decode each one where it starts.
+    decoder = json.JSONDecoder()
+    infos = [decoder.raw_decode(part)[0] for part in output.split("RANKINFO ")[1:]]
+    return {info["rank"]: info for info in infos}
+
+
+def comparable(info):
+    return {k: v for k, v in info["env"].items() if k not in VARYING}
+
+
+@pytest.mark.parametrize("launch", [
+    [TORCHRUN, "--nproc_per_node=2"],
+    [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2"],
+    [TORCHRUN, "--standalone", "--nnodes=1", "--nproc_per_node=2"],
+])
+def test_rank_environment_matches_torchrun(torch_launcher, launch):
+    args = launch + [program("rank_env.py"), "--x", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    ref = plain(args, env=env, timeout=120)
+    got = torch_launcher.run(args, env=env, timeout=120)
+    assert got.via == "zygote", got.reason
+    assert ref.returncode == got.returncode == 0, got.stdout
+    ours, theirs = rank_infos(got.stdout), rank_infos(ref.stdout)
+    assert sorted(ours) == sorted(theirs) == [0, 1]
+    for rank in (0, 1):
+        assert comparable(ours[rank]) == comparable(theirs[rank])
+        assert set(ours[rank]["env"]) == set(theirs[rank]["env"])
+        assert ours[rank]["argv"] == theirs[rank]["argv"] == ["--x", "1"]
+    assert ours[0]["env"]["MASTER_PORT"] == ours[1]["env"]["MASTER_PORT"]
+    assert ours[0]["env"]["TORCHELASTIC_ERROR_FILE"] != ours[1]["env"]["TORCHELASTIC_ERROR_FILE"]
+
+
+def test_explicit_master_port_is_honoured(torch_launcher):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    got = torch_launcher.run([TORCHRUN, "--nproc_per_node=2", f"--master_port={port}",
+                              program("rank_env.py")], timeout=120)
+    assert got.returncode == 0, got.stdout
+    assert {i["env"]["MASTER_PORT"] for i in rank_infos(got.stdout).values()} == {str(port)}
+
+
+def test_failing_rank_fails_the_step_like_torchrun(torch_launcher):
+    args = [TORCHRUN, "--nproc_per_node=2", program("megatron_style.py"), "--fail-rank", "1"]
+    ref = plain(args, timeout=120)
+    got = torch_launcher.run(args, timeout=120)
+    assert got.via == "zygote"
+    assert ref.returncode == got.returncode == 1
+    for out in (got.stdout, ref.stdout):
+        assert "RuntimeError: rank 1 failed on purpose" in out
+        assert "ChildFailedError" in out and "rank      : 1 (local_rank: 1)" in out
+    assert "rank 0 done" in got.stdout
+
+
+def test_megatron_style_script_passes(torch_launcher):
+    args = [TORCHRUN, "--nproc_per_node=2", program("megatron_style.py")]
+    got = torch_launcher.run(args, timeout=120)
+    assert got.returncode == 0, got.stdout
+    assert "rank 0 done" in got.stdout and "rank 1 done" in got.stdout
+
+
+def test_hanging_rank_is_ended_by_timeout_with_the_whole_group(torch_launcher, tmp_path):
+    args = [TORCHRUN, "--nproc_per_node=2", program("megatron_style.py"), "--hang-rank", "1"]
+    before = set(_children_of_zygotes(torch_launcher))
+    with pytest.raises(subprocess.TimeoutExpired):
+        torch_launcher.run(args, timeout=5)
+    time.sleep(0.5)
+    leftovers = set(_children_of_zygotes(torch_launcher)) - before
+    assert not leftovers
+
+
+def test_sigkilled_rank_stops_its_sibling(torch_launcher, tmp_path):
+    code = ("import os, signal, time, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "if dist.get_rank() == 0: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(120)\n")
+    script = tmp_path / "killed.py"
+    script.write_text(code)
+    start = time.monotonic()
+    got = torch_launcher.run([TORCHRUN, "--nproc_per_node=2", str(script)], timeout=60)
+    assert got.returncode == -9
+    assert "Signal 9 (SIGKILL) received by PID" in got.stdout
+    assert time.monotonic() - start < 40
+
+
+def test_unsupported_launches_run_real_torchrun(torch_launcher):
+    got = torch_launcher.run([TORCHRUN, "--max-restarts=1", "--nproc_per_node=2",
+                              program("rank_env.py")], timeout=120)
+    assert (got.via, got.reason, got.returncode) == ("subprocess", "--max-restarts=1", 0)
+    assert len(rank_infos(got.stdout)) == 2
+
+
+def test_argument_errors_read_as_torchrun_own(torch_launcher):
+    for launch in ([TORCHRUN], [PY, "-m", "torch.distributed.run"]):
+        args = launch + ["--nproc_per_node=2", "--no-such-flag", program("rank_env.py")]
+        ref, got = plain(args), torch_launcher.run(args)
+        assert (got.returncode, got.via) == (ref.returncode, "zygote")
+        assert got.stdout.splitlines()[-1] == ref.stdout.splitlines()[-1]
+
+
+def _children_of_zygotes(launcher):
+    pids = []
+    for z in launcher.zygotes:
+        try:
+            with open(f"/proc/{z.process.pid}/task/{z.process.pid}/children") as f:
+                pids += f.read().split()
+        except OSError:
+            pass
+    return pids
