@@ -274,20 +274,21 @@ class _CulpritHook:
         self._original = builtins.__import__
 
     def __call__(self, name, globals=None, locals=None, fromlist=(), level=0):
+        label = name
         if level:
             try:
-                name = importlib.util.resolve_name("." * level + name,
-                                                   (globals or {}).get("__package__") or "")
+                label = importlib.util.resolve_name("." * level + name,
+                                                    (globals or {}).get("__package__") or "")
             except (ImportError, ValueError):
                 pass
-        self.stack.append(name)
+        self.stack.append(label)
         try:
             return self._original(name, globals, locals, fromlist, level)
         finally:
             self.stack.pop()
             if not self.culprit and self.probe.initialized():
-                self.culprit = name
-                self.chain = _dedupe(self.stack + [name])
+                self.culprit = label
+                self.chain = _dedupe(self.stack + [label])
 
     def __enter__(self):
         builtins.__import__ = self
@@ -324,7 +325,8 @@ def import_entry(module: str, probe: DriverProbe) -> EntryReport:
     report.driver_initialized = probe.initialized()
     if report.driver_initialized or report.torch_cuda_initialized:
         report.culprit = hook.culprit or module
-        report.chain = hook.chain or [module]
+        # import_module() bypasses __import__, so the entry itself heads the chain here.
+        report.chain = _dedupe([module] + hook.chain)
     return report
 
 

@@ -1,0 +1,156 @@
+"""CUDA-clean preload with a fake driver: culprits found, quarantined, cached, invalidated."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from preload_launcher import Launcher, ZygoteProcess
+from preload_launcher.cli import main as cli_main
+
+from conftest import PY
+
+
+@pytest.fixture
+def fake_site(tmp_path, monkeypatch):
+    """A directory of fake modules, a fake distribution, a private cache, the fake probe."""
+    site = tmp_path / "site"
+    site.mkdir()
+    imports_log = tmp_path / "imports.log"
+    files = {
+        # Like modelopt.torch -> ... -> torch_geometric.typing: the parent is innocent.
+        "fake_parent.py": "import fake_middle\nVALUE = 1\n",
+        "fake_middle.py": "import fake_culprit\n",
+        "fake_culprit.py": f"""
+            from preload_launcher.preload import fake_cuinit
+            open({str(imports_log)!r}, "a").write("culprit imported\\n")
+            fake_cuinit()
+        """,
+        "thready.py": "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True, name='poller').start()\n",
+        "armed.py": """
+            import signal
+            from preload_launcher.preload import fake_cuinit
+            signal.signal(signal.SIGUSR1, lambda *a: fake_cuinit())
+        """,
+        "innocent.py": "X = 42\n",
+    }
+    for name, text in files.items():
+        (site / name).write_text(textwrap.dedent(text))
+    dist = site / "fakepkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.0\n")
+    env = dict(os.environ, PYTHONPATH=str(site), PRELOAD_LAUNCHER_PROBE="fake",
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    return site, env, imports_log
+
+
+def start(modules, env):
+    z = ZygoteProcess(modules, env)
+    z.start()
+    return z
+
+
+def test_culprit_found_and_its_entry_quarantined(fake_site):
+    site, env, log = fake_site
+    z = start(["json", "fake_parent", "innocent"], env)
+    try:
+        report = z.status["preload"]
+        verdict = report["quarantined"]["fake_parent"]
+        assert verdict["culprit"] == "fake_culprit"
+        assert verdict["chain"] == ["fake_parent", "fake_middle", "fake_culprit"]
+        assert "driver" in verdict["reason"]
+        assert report["loaded"] == ["json", "innocent"]
+        # The zygote that serves is clean and forks real steps; they can still import the culprit.
+        launcher = Launcher(["json", "fake_parent", "innocent"])
+        launcher.zygotes.append(z)
+        launcher.modules = ("json", "fake_parent", "innocent")
+        r = launcher.run([PY, "-c", "import fake_parent, sys; print(fake_parent.VALUE, 'innocent' in sys.modules)"],
+                         env=env)
+        assert (r.via, r.stdout) == ("zygote", "1 True\n")
+    finally:
+        z.close()
+
+
+def test_verdict_cached_then_invalidated_by_a_version_change(fake_site):
+    site, env, log = fake_site
+    start(["fake_parent"], env).close()
+    assert log.read_text().count("culprit imported") == 1
+    z = start(["fake_parent"], env)  # cache hit: the culprit is not imported again
+    z.close()
+    assert log.read_text().count("culprit imported") == 1
+    assert "fake_parent" in z.status["preload"]["quarantined"]
+    assert z.status["preload"]["entries"] == []
+    os.rename(site / "fakepkg-1.0.dist-info", site / "fakepkg-2.0.dist-info")
+    (site / "fakepkg-2.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fakepkg\nVersion: 2.0\n")
+    start(["fake_parent"], env).close()  # new versions: the bisection runs again
+    assert log.read_text().count("culprit imported") == 2
+
+
+def test_module_starting_a_python_thread_is_reported_and_quarantined(fake_site):
+    site, env, _ = fake_site
+    z = start(["thready", "innocent"], env)
+    z.close()
+    verdict = z.status["preload"]["quarantined"]["thready"]
+    assert "poller" in verdict["reason"]
+    assert z.status["preload"]["loaded"] == ["innocent"]
+
+
+def test_failed_import_is_reported_not_fatal(fake_site):
+    site, env, _ = fake_site
+    z = start(["no_such_module_abc", "innocent"], env)
+    z.close()
+    entries = {e["module"]: e for e in z.status["preload"]["entries"]}
+    assert not entries["no_such_module_abc"]["ok"]
+    assert "ModuleNotFoundError" in entries["no_such_module_abc"]["error"]
+    assert entries["innocent"]["ok"]
+
+
+def test_dirty_zygote_never_forks_a_step(fake_site):
+    site, env, _ = fake_site
+    launcher = Launcher(["armed"])
+    try:
+        first = launcher.run([PY, "-c", "print('ok')"], env=env)
+        assert first.via == "zygote"
+        zygote = launcher.zygotes[0]
+        os.kill(zygote.process.pid, signal.SIGUSR1)  # the zygote 'initialises CUDA'
+        time.sleep(0.5)
+        second = launcher.run([PY, "-c", "print('ok')"], env=env)
+        assert (second.via, second.stdout) == ("subprocess", "ok\n")
+        assert "CUDA driver is initialised" in second.reason
+        assert zygote not in launcher.zygotes  # retired; the next step gets a fresh one
+        third = launcher.run([PY, "-c", "print('ok')"], env=env)
+        assert third.via == "zygote"
+    finally:
+        launcher.close()
+
+
+def test_doctor_names_the_culprit_and_fails(fake_site, monkeypatch, capsys):
+    site, env, _ = fake_site
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cli_main(["doctor", "--preload", "json,fake_parent"]) == 1
+    out = capsys.readouterr().out
+    assert "QUARANTINED fake_parent" in out and "fake_parent -> fake_middle -> fake_culprit" in out
+    assert "final preload set: json" in out
+    assert cli_main(["doctor", "--preload", "json,innocent"]) == 0
+
+
+def test_import_time_environment_selects_the_zygote(fake_site, tmp_path):
+    """A variable read during preload that differs in a step's env gets its own zygote."""
+    site, env, _ = fake_site
+    (site / "reads_env.py").write_text("import os\nMODE = os.environ.get('FAKE_IMPORT_MODE', 'a')\n")
+    launcher = Launcher(["reads_env"])
+    try:
+        code = "import reads_env; print(reads_env.MODE)"
+        a = launcher.run([PY, "-c", code], env=dict(env, FAKE_IMPORT_MODE="a"))
+        b = launcher.run([PY, "-c", code], env=dict(env, FAKE_IMPORT_MODE="b"))
+        a2 = launcher.run([PY, "-c", code], env=dict(env, FAKE_IMPORT_MODE="a"))
+        assert (a.stdout, b.stdout, a2.stdout) == ("a\n", "b\n", "a\n")
+        assert {a.via, b.via, a2.via} == {"zygote"}
+        assert len(launcher.zygotes) == 2
+    finally:
+        launcher.close()
