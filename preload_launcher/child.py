@@ -286,10 +286,24 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteStat
         exit_with(code)
 
 
+def start_coverage_if_requested() -> None:
+    """What coverage's .pth hook does at interpreter start-up, which a forked child skips.
+
+    ``finish`` runs ``atexit``, where coverage saves this step's data."""
+    if not (os.environ.get("COVERAGE_PROCESS_START") or os.environ.get("COVERAGE_PROCESS_CONFIG")):
+        return
+    try:
+        import coverage
+    except ImportError:
+        return
+    coverage.process_startup()
+
+
 def run_python_step(target: PythonTarget, state: ZygoteState, conn_fd: Optional[int]) -> None:
     """Apply interpreter options, announce the start, run the target and exit like python."""
     configure_stdio(target, dict(os.environ))
     apply_interpreter_options(target, state)
+    start_coverage_if_requested()
     sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)
     if conn_fd is not None:
         protocol.send_event(conn_fd, "exec", t=time.time())

@@ -32,6 +32,7 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_DRAIN_S = 0.5  # after the step's exit, how long escaped grandchildren may hold the output
 KILL_WAIT_S = 10.0
 INTERRUPT_GRACE_S = 0.25  # as subprocess.run gives a child on Ctrl-C
+COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 
 
 class ZygoteProcess:
@@ -41,7 +42,8 @@ class ZygoteProcess:
                  cache_dir: Optional[str] = None, socket_path: Optional[str] = None,
                  daemon: bool = False) -> None:
         self.modules = list(modules)
-        self.env = dict(env)
+        # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
+        self.env = {k: v for k, v in env.items() if not k.startswith(COVERAGE_ENV_PREFIXES)}
         self.cache_dir = cache_dir or settings.cache_dir(env)
         runtime = settings.runtime_dir()
         self.socket_path = socket_path or os.path.join(
@@ -496,10 +498,21 @@ def _kill_group(pgid: int) -> None:
 
 _launchers: dict[tuple, Launcher] = {}
 _launchers_lock = threading.Lock()
+_session_launcher: Optional[Launcher] = None
+
+
+def set_session_launcher(launcher: Optional[Launcher]) -> None:
+    """Make ``run()`` use ``launcher`` (the pytest plugin's) unless the env names other modules."""
+    global _session_launcher
+    _session_launcher = launcher
 
 
 def default_launcher() -> Launcher:
-    """The process-wide launcher for the current ``PRELOAD_LAUNCHER_MODULES``."""
+    """The launcher ``run()`` uses: the session's, else one per ``PRELOAD_LAUNCHER_MODULES``."""
+    session = _session_launcher
+    if session is not None and (os.environ.get("PRELOAD_LAUNCHER_MODULES") is None
+                                or settings.preload_modules() == session.preload_set()):
+        return session
     modules = settings.preload_modules()
     with _launchers_lock:
         if modules not in _launchers:

@@ -47,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     modules = settings.preload_modules(ini=config.getini("preload_launcher_modules"))
     launcher = client.Launcher(modules)
-    client._launchers[modules] = launcher  # run() in this process uses the session's zygote
+    client.set_session_launcher(launcher)  # run() in this process uses the session's zygote
     config.stash[launcher_key] = launcher
     config.stash[started_key] = time.monotonic()
     if getattr(config, "workerinput", None) is not None or not config.option.collectonly:
@@ -57,6 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     launcher = config.stash.get(launcher_key, None)
     if launcher is not None:
+        client.set_session_launcher(None)
         launcher.close()
 
 

@@ -1,0 +1,141 @@
+"""The pytest plugin in real pytest sessions (pytester, each in its own process)."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from preload_launcher import run_capturing
+
+from conftest import PY, wait_gone
+
+INNER_CONFTEST = """
+import pytest
+"""
+
+VIA_TEST = """
+import os, sys
+import preload_launcher
+
+def test_via(preload_launcher):
+    r = preload_launcher.run([sys.executable, "-c", "import os; print(os.environ.get('LANE_MARK'))"],
+                             env=dict(os.environ, LANE_MARK="passed-through"))
+    print("VIA", r.via, r.stdout.strip())
+    assert r.stdout.strip() == "passed-through"
+    r2 = preload_launcher.run([sys.executable, "-c", "print(2)"])  # the module-level run()
+    print("VIA2", r2.via)
+"""
+
+
+def runpytest(pytester, *args, env=None):
+    pytester.makeini("[pytest]\npreload_launcher_modules = json\n")
+    for k, v in (env or {}).items():
+        pytester._monkeypatch.setenv(k, v)
+    return pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider", *args)
+
+
+def test_default_lane_uses_the_zygote_and_prints_a_summary(pytester):
+    pytester.makepyfile(test_via=VIA_TEST)
+    result = runpytest(pytester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*VIA zygote passed-through*", "*VIA2 zygote*",
+                                 "*preload_launcher*", "*steps via zygote: 2, via subprocess: 0*",
+                                 "*preloaded json*"])
+
+
+@pytest.mark.parametrize("how", ["env", "option"])
+def test_lane_toggle_off(pytester, how):
+    pytester.makepyfile(test_via=VIA_TEST)
+    if how == "env":
+        result = runpytest(pytester, env={"PRELOAD_LAUNCHER": "0"})
+    else:
+        result = runpytest(pytester, "--no-preload-launcher")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*VIA subprocess passed-through*", "*VIA2 subprocess*"])
+
+
+def test_env_wins_over_the_option(pytester):
+    pytester.makepyfile(test_via=VIA_TEST)
+    result = runpytest(pytester, "--no-preload-launcher", env={"PRELOAD_LAUNCHER": "1"})
+    result.stdout.fnmatch_lines(["*VIA zygote*"])
+
+
+@pytest.mark.parametrize("method", ["signal", "thread"])
+def test_pytest_timeout_leaves_no_step_behind(pytester, tmp_path, method):
+    pidfile = tmp_path / "step.pid"
+    pytester.makepyfile(test_hang=f"""
+        import sys
+        import preload_launcher
+
+        def test_hangs():
+            preload_launcher.run([sys.executable, "-c",
+                "import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"])
+    """)
+    start = time.monotonic()
+    result = runpytest(pytester, "--timeout=5", f"--timeout-method={method}")
+    assert time.monotonic() - start < 90
+    assert result.ret != 0
+    assert "Timeout" in result.stdout.str() + result.stderr.str()
+    step_pid = int(pidfile.read_text())
+    assert wait_gone(step_pid), f"step {step_pid} outlived pytest-timeout ({method})"
+
+
+def test_coverage_of_a_forked_step_is_measured(pytester, tmp_path):
+    scripts = pytester.mkdir("scripts")
+    (scripts / "covered.py").write_text(textwrap.dedent("""
+        def branch(x):
+            if x:
+                return "yes"
+            return "no"
+        print(branch(True))
+    """))
+    (pytester.path / ".coveragerc").write_text("[run]\npatch = subprocess\nsource = scripts\n")
+    pytester.makepyfile(test_cov="""
+        import sys, os
+        import preload_launcher
+
+        def test_runs_script():
+            r = preload_launcher.run([sys.executable, "scripts/covered.py"])
+            assert (r.via, r.stdout) == ("zygote", "yes\\n"), r
+    """)
+    result = runpytest(pytester, "--cov=scripts", "--cov-report=term-missing")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*scripts/covered.py*5*1*80%*5*"])
+
+
+TRANSIENT_MARKERS = ("HTTPError 503", "Connection reset by peer")
+
+
+def run_example_command(cmd_parts, example_path, env=None, max_retries=3):
+    """A copy of the shape of the example tests' helper, with run_capturing swapped in."""
+    for attempt in range(max_retries):
+        returncode, output = run_capturing(cmd_parts, cwd=example_path,
+                                           env=env or os.environ.copy())
+        print(output)
+        if returncode == 0:
+            return output
+        if attempt + 1 < max_retries and any(m in output for m in TRANSIENT_MARKERS):
+            continue
+        raise subprocess.CalledProcessError(returncode, cmd_parts, output)
+
+
+def test_drop_in_helper_keeps_retries_env_and_errors(tmp_path):
+    counter = tmp_path / "attempts"
+    script = tmp_path / "flaky.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        path = {str(counter)!r}
+        n = int(open(path).read()) if os.path.exists(path) else 0
+        open(path, "w").write(str(n + 1))
+        if n == 0:
+            sys.exit("huggingface_hub HTTPError 503 Server Error")
+        print("ok after", n, "retries", os.environ["HELPER_MARK"])
+    """))
+    out = run_example_command([PY, "flaky.py"], str(tmp_path),
+                              env=dict(os.environ, HELPER_MARK="kept"))
+    assert out == "ok after 1 retries kept\n"
+    with pytest.raises(subprocess.CalledProcessError) as info:
+        run_example_command([PY, "-c", "raise SystemExit('fatal')"], str(tmp_path))
+    assert info.value.output == "fatal\n"
