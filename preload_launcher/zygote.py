@@ -127,6 +127,8 @@ class Zygote:
             "uptime_s": round(time.time() - self.started_at, 1), "served": self.served,
             "running": len(self.steps), "rss_kb": _rss_kb(), "fds": _fd_count(),
             "native_threads": native_threads(), "preload": report,
+            "driver_initialized": self.probe.initialized(),
+            "torch_cuda_initialized": torch_cuda_initialized(),
             "modules": self.config["modules"], "daemon": bool(self.config.get("daemon")),
         }
 
