@@ -211,7 +211,8 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
     read_keys: set = set()
 
     def __getitem__(self, key):
-        _RecordingEnviron.read_keys.add(key)
+        if isinstance(key, str):
+            _RecordingEnviron.read_keys.add(key)
         return super().__getitem__(key)
 
 
