@@ -20,6 +20,7 @@ from typing import Optional
 from . import protocol
 from .child import ZygoteState, die_with_parent, run_python_step
 from .command import PythonTarget, StepSpec, parse_python_argv
+from .preload import cuda_safe_imports, probe_from_env, torch_cuda_initialized
 from .result import RankFailure
 
 __all__ = ["run_agent", "rank_envs", "unsupported_reason"]
@@ -134,7 +135,10 @@ def _parse(spec: StepSpec):
     if nproc is None:
         return args, None, None, None
     args.nproc_per_node = nproc
-    config, cmd, cmd_args = torchrun.config_from_args(args)
+    # LaunchConfig asks torch.cuda.is_available(); through cudaGetDeviceCount that poisons every
+    # later fork, so the agent asks NVML instead, as the zygote's preload does.
+    with cuda_safe_imports():
+        config, cmd, cmd_args = torchrun.config_from_args(args)
     return args, config, cmd, cmd_args
 
 
@@ -148,6 +152,8 @@ def run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int) -> int:
         protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
         return 0
     reason = "nproc_per_node=gpu without NVML" if config is None else unsupported_reason(args, config)
+    if not reason and (probe_from_env().initialized() or torch_cuda_initialized()):
+        reason = "the agent initialised CUDA while parsing; ranks cannot be forked from it"
     if reason:
         protocol.send_event(conn_fd, "fallback", reason=reason, retire=False)
         return 0
