@@ -7,9 +7,11 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Optional
 
-from . import settings
+
+from . import daemon, settings
 from .client import Launcher, ZygoteProcess
 from .result import LauncherError
 
@@ -21,6 +23,22 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _daemon_for(modules, env) -> Optional[ZygoteProcess]:
+    """The matching daemon; a dead one (killed, crashed) is replaced; none -> None."""
+    zygote, meta = daemon.find_daemon(modules)
+    if zygote is None and meta is not None:
+        print("preload-launcher: the daemon is gone; starting a new one", file=sys.stderr)
+        zygote = daemon.start_daemon(modules, env)
+    if zygote is None:
+        return None
+    mismatch = zygote.env_mismatch(env)
+    if mismatch:
+        print(f"preload-launcher: the daemon was preloaded with other values of {', '.join(mismatch)};"
+              " using a fresh zygote for this environment", file=sys.stderr)
+        return None
+    return zygote
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if not args.command:
         print("preload-launcher run: no command given (use: run -- python script.py …)",
@@ -28,6 +46,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     modules = settings.preload_modules(args.preload)
     launcher = Launcher(modules)
+    if not args.no_daemon:
+        found = _daemon_for(modules, os.environ)
+        if found is not None:
+            launcher.zygotes.append(found)
     try:
         result = launcher.run(args.command, timeout=args.timeout, echo=True)
     except KeyboardInterrupt:
@@ -79,6 +101,66 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    modules = settings.preload_modules(args.preload)
+    zygote, _ = daemon.find_daemon(modules)
+    if zygote is None:
+        zygote = daemon.start_daemon(modules, os.environ)
+        print(f"preload-launcher: serving, pid {zygote.status['pid']}, preloaded "
+              f"{', '.join(zygote.status['preload']['loaded']) or '(none)'} in "
+              f"{zygote.status['preload']['seconds']:.1f} s; log {zygote.log_path}")
+    else:
+        print(f"preload-launcher: already serving, pid {zygote.status['pid']}")
+    if args.detach:
+        return 0
+    pid = zygote.status["pid"]
+    stop = lambda *_: daemon.stop_daemon(modules)  # noqa: E731
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    while daemon._pid_alive(pid):
+        time.sleep(0.5)
+    return 0
+
+
+def format_status(status: dict) -> str:
+    report = status.get("preload", {})
+    lines = [f"pid {status['pid']} ({status['python']}), up {status['uptime_s']:.0f} s, "
+             f"{status['served']} steps served, {status['running']} running",
+             f"preloaded: {', '.join(report.get('loaded', [])) or '(none)'} "
+             f"({report.get('seconds', 0):.1f} s)",
+             f"memory: zygote RSS {status['rss_kb'] / 1024:.0f} MiB, running steps PSS "
+             f"{status['steps_pss_kb'] / 1024:.0f} MiB"]
+    for entry, verdict in report.get("quarantined", {}).items():
+        lines.append(f"quarantined: {entry} ({verdict['reason']}; culprit {verdict['culprit']})")
+    lines.append("stale: " + (", ".join(status["stale"][:5]) if status["stale"] else "no"))
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    metas = daemon.list_daemons()
+    if args.preload is not None or not metas:
+        metas = [{"modules": list(settings.preload_modules(args.preload))}]
+    found = 0
+    for meta in metas:
+        zygote, _ = daemon.find_daemon(meta["modules"])
+        if zygote is None:
+            print(f"no daemon serving {','.join(meta['modules'])}")
+            continue
+        found += 1
+        print(json.dumps(zygote.status, indent=1) if args.json else format_status(zygote.status))
+    return 0 if found else 1
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    metas = daemon.list_daemons() if args.all else [
+        {"modules": list(settings.preload_modules(args.preload))}]
+    stopped = [daemon.stop_daemon(meta["modules"]) for meta in metas]
+    for pid in stopped:
+        if pid:
+            print(f"preload-launcher: stopped pid {pid}")
+    return 0 if any(stopped) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="preload-launcher",
                                      description="Run steps as children of a preloaded zygote.")
@@ -89,10 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
                           f"or {','.join(settings.DEFAULT_MODULES)})")
     run.add_argument("--timeout", type=float, default=None)
     run.add_argument("-v", "--verbose", action="store_true", help="say how the step ran")
+    run.add_argument("--no-daemon", action="store_true", help="never use a running daemon")
     run.add_argument("command", nargs=argparse.REMAINDER)
     doctor = sub.add_parser("doctor", help="preload, report what each module did, and exit")
     doctor.add_argument("--preload", default=None)
     doctor.add_argument("--json", action="store_true")
+    serve = sub.add_parser("serve", help="keep a warm zygote for `run` (a daemon)")
+    serve.add_argument("--preload", default=None)
+    serve.add_argument("--detach", action="store_true", help="return once it serves")
+    status = sub.add_parser("status", help="show running daemons")
+    status.add_argument("--preload", default=None)
+    status.add_argument("--json", action="store_true")
+    stop = sub.add_parser("stop", help="stop a daemon and the steps it runs")
+    stop.add_argument("--preload", default=None)
+    stop.add_argument("--all", action="store_true")
     return parser
 
 
@@ -100,7 +192,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
-    return {"run": cmd_run, "doctor": cmd_doctor}[args.verb](args)
+    return {"run": cmd_run, "doctor": cmd_doctor, "serve": cmd_serve, "status": cmd_status,
+            "stop": cmd_stop}[args.verb](args)
 
 
 if __name__ == "__main__":

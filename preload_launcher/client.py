@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import codecs
 import io
+import itertools
 import json
 import locale
 import os
@@ -32,6 +33,8 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_DRAIN_S = 0.5  # after the step's exit, how long escaped grandchildren may hold the output
 KILL_WAIT_S = 10.0
 INTERRUPT_GRACE_S = 0.25  # as subprocess.run gives a child on Ctrl-C
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+_zygote_ids = itertools.count()
 COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 
 
@@ -47,7 +50,10 @@ class ZygoteProcess:
         self.cache_dir = cache_dir or settings.cache_dir(env)
         runtime = settings.runtime_dir()
         self.socket_path = socket_path or os.path.join(
-            runtime, f"z-{os.getpid()}-{id(self):x}-{time.monotonic_ns()}.sock")
+            runtime, f"z-{os.getpid()}-{next(_zygote_ids)}.sock")
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
+            raise LauncherError(f"socket path {self.socket_path!r} is too long for a Unix socket; "
+                                "set XDG_RUNTIME_DIR to a shorter directory")
         self.log_path = self.socket_path[:-5] + ".log"
         self.daemon = daemon
         self.process: Optional[subprocess.Popen] = None
@@ -119,19 +125,42 @@ class ZygoteProcess:
         self.wait_ready()
         return self
 
+    @classmethod
+    def attach(cls, socket_path: str) -> "ZygoteProcess":
+        """A handle on a running zygote (a daemon); raises OSError when none answers there."""
+        z = cls.__new__(cls)
+        z.modules, z.env, z.socket_path, z.daemon, z.process = [], {}, socket_path, True, None
+        z.log_path, z.cache_dir, z._alive_w, z._ready_r = "", "", -1, -1
+        z._ready, z._start_error = threading.Event(), None
+        z.status = z.request("status")
+        z.modules = list(z.status["modules"])
+        z.log_path = socket_path[:-5] + ".log"
+        z._ready.set()
+        return z
+
     @property
     def import_env(self) -> dict[str, Optional[str]]:
-        """Environment this zygote's imports depended on (keys read while preloading)."""
-        keys = set(settings.IMPORT_ENV_KEYS) | set(self.status.get("preload", {}).get("import_env", {}))
-        return {k: self.env.get(k) for k in keys}
+        """Environment this zygote's imports depended on (fixed keys and keys read in preload)."""
+        return dict(self.status.get("preload", {}).get("import_env", {}))
+
+    def env_mismatch(self, env: Mapping[str, str]) -> list[str]:
+        return sorted(k for k, v in self.import_env.items() if env.get(k) != v)
 
     def matches(self, env: Mapping[str, str]) -> bool:
-        return all(env.get(k) == v for k, v in self.import_env.items())
+        return not self.env_mismatch(env)
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        if self.process is None:  # attached: alive while it answers
+            try:
+                self.request("status")
+                return True
+            except OSError:
+                return False
+        return self.process.poll() is None
 
     def close(self) -> None:
+        if self.daemon:
+            return  # a daemon outlives its handles; `preload-launcher stop` ends it
         if self._alive_w >= 0:
             os.close(self._alive_w)  # EOF on its alive pipe: the zygote exits
             self._alive_w = -1
@@ -162,7 +191,10 @@ class ZygoteProcess:
         """A one-shot request (``status`` or ``stop``); returns the reply event."""
         with self.connect() as sock:
             protocol.send_request(sock, {"op": op}, [])
-            return _read_events_until_eof(sock)[0]
+            events = _read_events_until_eof(sock)
+        if not events:
+            raise ConnectionResetError(f"no answer from the zygote at {self.socket_path}")
+        return events[0]
 
     def submit(self, spec: StepSpec, out_w: int, stdin_fd: int) -> socket.socket:
         sock = self.connect()
@@ -364,6 +396,10 @@ class Launcher:
             return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
                                                f"zygote failed to start: {err}"))
         result = self._run_in_zygote(zygote, parsed, timeout, echo)
+        if isinstance(result, dict) and result.get("retry"):
+            # A stale daemon restarts itself; its listener queues us until it serves again.
+            print(f"preload_launcher: zygote restarting ({result['reason']})", file=sys.stderr)
+            result = self._run_in_zygote(zygote, parsed, timeout, echo)
         if isinstance(result, dict):  # a "fallback" event: the zygote cannot serve this step
             if result.get("retire", True):
                 self._retire(zygote)  # it refused to fork: it is not clean

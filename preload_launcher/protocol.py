@@ -30,7 +30,8 @@ def send_request(sock: socket.socket, request: dict, fds: list[int]) -> None:
     payload = json.dumps(request).encode("utf-8", "surrogatepass")
     data = HEADER.pack(len(payload)) + payload
     sent = socket.send_fds(sock, [data[:65536]], fds)
-    sock.sendall(data[sent:])
+    if sent < len(data):  # never send(b""): the zygote may have answered and closed already
+        sock.sendall(data[sent:])
 
 
 def recv_request(sock: socket.socket) -> tuple[dict, list[int]]:

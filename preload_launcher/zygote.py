@@ -22,6 +22,7 @@ from typing import Optional
 
 from . import protocol
 from .child import ZygoteState, become_step
+from .settings import IMPORT_ENV_KEYS
 from .preload import (PreloadReport, VerdictCache, native_threads, package_fingerprint, preload,
                       probe_from_env, torch_cuda_initialized, verdict_for)
 
@@ -36,6 +37,7 @@ def say(fmt: str, *args) -> None:
           flush=True)
 
 SKIP_ENV = "_PRELOAD_LAUNCHER_QUARANTINE"
+RESTART_ENV = "_PRELOAD_LAUNCHER_RESTARTED"  # set across a staleness re-exec: stay quiet
 REQUEST_READ_TIMEOUT_S = 10.0
 
 # Started as ``python -c BOOTSTRAP PKG_PARENT CONFIG_JSON``: sys.path keeps what a fresh
@@ -71,6 +73,8 @@ class Zygote:
         self.probe = probe_from_env()
         self.signal_handlers: dict[int, object] = {}
         self.stopping = False
+        self.watch: Optional[StalenessWatch] = None
+        self.restart_reason = ""
 
     # -------------------------------------------------------------- start-up
 
@@ -82,8 +86,8 @@ class Zygote:
         from .preload import recording_env_reads
         with recording_env_reads() as keys:
             report = preload(self.config["modules"], self.probe, skip)
-        report.import_env = {k: os.environ.get(k) for k in sorted(keys)
-                             if k not in ("PYTORCH_NVML_BASED_CUDA_CHECK", SKIP_ENV)}
+        keys = (keys | set(IMPORT_ENV_KEYS)) - {"PYTORCH_NVML_BASED_CUDA_CHECK", SKIP_ENV, RESTART_ENV}
+        report.import_env = {k: os.environ.get(k) for k in sorted(keys)}
         if report.dirty_entry:
             entry = report.entries[-1]
             verdict = verdict_for(entry)
@@ -97,10 +101,16 @@ class Zygote:
 
     def restart_without(self, skip: dict) -> None:
         """Re-exec with the quarantine: the pid, socket and pipes survive, the dirt does not."""
-        for fd in (self.config["listen_fd"], self.config["ready_fd"], self.alive_fd):
+        os.environ[SKIP_ENV] = json.dumps(skip)
+        self.reexec()
+
+    def reexec(self) -> None:
+        fds = [self.config["listen_fd"], self.alive_fd]
+        if not os.environ.get(RESTART_ENV):
+            fds.append(self.config["ready_fd"])
+        for fd in fds:
             if fd >= 0:
                 os.set_inheritable(fd, True)
-        os.environ[SKIP_ENV] = json.dumps(skip)
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, sys.orig_argv)
@@ -115,6 +125,10 @@ class Zygote:
                 self.signal_handlers[signum] = handler
 
     def announce_ready(self) -> None:
+        self.watch = StalenessWatch() if self.config.get("daemon") else None
+        if os.environ.pop(RESTART_ENV, None):
+            say("restarted after a change; serving again")
+            return  # the starter heard from us already; this fd number is not ours any more
         os.write(self.config["ready_fd"], (json.dumps(self.status()) + "\n").encode())
         os.close(self.config["ready_fd"])
 
@@ -130,6 +144,8 @@ class Zygote:
             "driver_initialized": self.probe.initialized(),
             "torch_cuda_initialized": torch_cuda_initialized(),
             "modules": self.config["modules"], "daemon": bool(self.config.get("daemon")),
+            "steps_pss_kb": sum(_tree_pss_kb(pid) for pid in self.steps),
+            "stale": self.watch.changes() if self.watch else [],
         }
 
     def fork_refusal(self) -> str:
@@ -150,7 +166,7 @@ class Zygote:
         os.set_blocking(sig_r, False)
         signal.set_wakeup_fd(sig_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd
-        signal.signal(signal.SIGTERM, lambda *_: self.request_stop())
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop("SIGTERM"))
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the steps
         self.own_fds = [self.listener.fileno(), sig_r, sig_w, self.selector.fileno()]
         if self.alive_fd >= 0:
@@ -166,12 +182,13 @@ class Zygote:
                     _drain(sig_r)
                     self.reap()
                 elif key.data == "alive":
-                    self.request_stop()
+                    self.request_stop("its starter went away")
                 else:
                     self.on_step_conn(key.data)
         self.shutdown()
 
-    def request_stop(self) -> None:
+    def request_stop(self, why: str) -> None:
+        say("stopping: %s", why)
         self.stopping = True
 
     def shutdown(self) -> None:
@@ -186,12 +203,14 @@ class Zygote:
             return
         try:
             if not _peer_is_same_user(conn):
+                say("refused a connection from another uid")
                 protocol.send_event(conn, "refused", reason="peer uid differs")
                 conn.close()
                 return
             conn.settimeout(REQUEST_READ_TIMEOUT_S)
             request, fds = protocol.recv_request(conn)
         except (OSError, ValueError) as err:
+            say("bad request: %s", err)
             protocol.send_event(conn, "error", type="LauncherError", errno=None,
                                 strerror=f"bad request: {err}", filename=None)
             conn.close()
@@ -206,20 +225,27 @@ class Zygote:
             protocol.send_event(conn, "status", **self.status())
         elif op == "stop":
             protocol.send_event(conn, "stopping", pid=os.getpid())
-            self.request_stop()
+            self.request_stop("asked to stop")
         else:
             protocol.send_event(conn, "error", type="LauncherError", errno=None,
                                 strerror=f"unknown request {op!r}", filename=None)
         conn.close()
 
     def fork_step(self, conn: socket.socket, spec: dict, fds: list[int]) -> None:
+        changes = self.watch.changes() if self.watch and not self.restart_reason else []
+        if changes:
+            self.restart_reason = f"{changes[0]} changed since preload"
+            say("stale: %s; restarting once idle", ", ".join(changes[:5]))
         refusal = self.fork_refusal()
-        if refusal:
-            say("refusing to fork: %s", refusal)
-            protocol.send_event(conn, "fallback", reason=refusal)
+        if refusal or self.restart_reason:
+            if refusal:
+                say("refusing to fork: %s", refusal)
+            protocol.send_event(conn, "fallback", reason=refusal or self.restart_reason,
+                                retire=bool(refusal), retry=not refusal)
             for fd in fds:
                 os.close(fd)
             conn.close()
+            self.restart_if_idle()
             return
         sys.stdout.flush()
         sys.stderr.flush()
@@ -283,6 +309,63 @@ class Zygote:
             step.conn.setblocking(True)
             protocol.send_event(step.conn, "exit", returncode=code)
             step.conn.close()
+        self.restart_if_idle()
+
+    def restart_if_idle(self) -> None:
+        """A stale daemon re-executes itself once no step of the old image is running."""
+        if self.restart_reason and not self.steps:
+            say("restarting: %s", self.restart_reason)
+            os.environ[RESTART_ENV] = "1"
+            signal.set_wakeup_fd(-1)
+            self.reexec()
+
+
+class StalenessWatch:
+    """Notices edits to preloaded modules outside site-packages and package installs/removals.
+
+    Local source files are compared by mtime; installed packages through the mtime of each
+    site-packages directory (an install or uninstall adds or removes entries there)."""
+
+    def __init__(self) -> None:
+        import site
+        import sysconfig
+        dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+        dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
+        self.site_dirs = {d: _mtime(d) for d in dirs if os.path.isdir(d)}
+        roots = tuple(os.path.join(os.path.realpath(d), "") for d in self.site_dirs)
+        self.local_files: dict[str, int] = {}
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None)
+            if path and os.path.isfile(path) and not os.path.realpath(path).startswith(roots):
+                self.local_files[path] = _mtime(path)
+
+    def changes(self) -> list[str]:
+        changed = [p for p, t in self.local_files.items() if _mtime(p) != t]
+        changed += [f"packages in {d}" for d, t in self.site_dirs.items() if _mtime(d) != t]
+        return changed
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1
+
+
+def _tree_pss_kb(pid: int) -> int:
+    """PSS of a step and every process below it (ranks, their workers)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+                    break
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except (OSError, ValueError):
+        return total
+    return total + sum(_tree_pss_kb(c) for c in children)
 
 
 def protocol_send(conn: socket.socket, event: str, **fields) -> None:

@@ -1,0 +1,102 @@
+"""A warm zygote that outlives its starter, for manual example runs (``preload-launcher serve``).
+
+One daemon per (interpreter, preload set), found by name in the per-user runtime directory
+(mode 0700; socket 0600; every connection's peer uid checked by the zygote).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Mapping, Optional, Sequence
+
+from . import settings
+from .client import ZygoteProcess
+
+__all__ = ["daemon_paths", "find_daemon", "start_daemon", "stop_daemon", "list_daemons"]
+
+
+def daemon_paths(modules: Sequence[str]) -> tuple[str, str]:
+    """(socket, metadata file) of the daemon for this interpreter and preload set."""
+    key = hashlib.sha1(json.dumps([sys.executable, list(modules)]).encode()).hexdigest()[:12]
+    base = os.path.join(settings.runtime_dir(), f"d-{key}")
+    return base + ".sock", base + ".json"
+
+
+def _read_meta(meta_path: str) -> Optional[dict]:
+    try:
+        with open(meta_path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Optional[dict]]:
+    """(handle, metadata) of a live daemon; (None, metadata) when one was started but is gone."""
+    sock, meta_path = daemon_paths(modules)
+    meta = _read_meta(meta_path)
+    if meta is None:
+        return None, None
+    try:
+        return ZygoteProcess.attach(sock), meta
+    except OSError:
+        return None, meta
+
+
+def start_daemon(modules: Sequence[str], env: Mapping[str, str]) -> ZygoteProcess:
+    """Start a detached daemon (replacing a dead one) and wait until it serves."""
+    sock, meta_path = daemon_paths(modules)
+    zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True).start()
+    meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
+            "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
+    tmp = f"{meta_path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(meta, f)
+    os.replace(tmp, meta_path)
+    zygote.process.returncode = 0  # detached: never reaped (or warned about) by this process
+    return zygote
+
+
+def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
+    """Stop the daemon and every step it runs; returns its pid, or None if none ran."""
+    zygote, meta = find_daemon(modules)
+    sock, meta_path = daemon_paths(modules)
+    pid = None
+    if zygote is not None:
+        pid = zygote.status["pid"]
+        zygote.request("stop")
+        deadline = time.monotonic() + timeout
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    for path in (sock, meta_path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return pid
+
+
+def list_daemons() -> list[dict]:
+    """Metadata of every daemon started for this user, live or not."""
+    runtime = settings.runtime_dir()
+    found = []
+    for name in sorted(os.listdir(runtime)):
+        if name.startswith("d-") and name.endswith(".json"):
+            meta = _read_meta(os.path.join(runtime, name))
+            if meta:
+                found.append(meta)
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,142 @@
+"""The warm daemon: serve / run / status / stop, staleness, env mismatch, security, faults."""
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from conftest import PY, wait_gone
+
+
+@pytest.fixture
+def daemon_env(tmp_path):
+    # Unix socket paths must stay under 108 bytes: pytest's tmp_path can be longer.
+    runtime = pathlib.Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))
+    runtime.chmod(0o700)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "greeting.py").write_text("WORD = 'hello'\n")
+    (site / "reads_env.py").write_text("import os\nMODE = os.environ.get('DAEMON_IMPORT_MODE', 'a')\n")
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), PYTHONPATH=str(site),
+               PRELOAD_LAUNCHER_MODULES="json,greeting,reads_env",
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    yield env, site, runtime
+    subprocess.run([PY, "-m", "preload_launcher.cli", "stop", "--all"], env=env, capture_output=True)
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+def cli(env, *args, timeout=120):
+    return subprocess.run([PY, "-m", "preload_launcher.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def status(env):
+    out = cli(env, "status", "--json")
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def test_serve_run_status_stop(daemon_env):
+    env, _, _ = daemon_env
+    assert cli(env, "serve", "--detach").returncode == 0
+    before = status(env)
+    assert before["daemon"] and before["preload"]["loaded"] == ["json", "greeting", "reads_env"]
+    out = cli(env, "run", "--", PY, "-c", "import greeting, sys; print(greeting.WORD); sys.exit(7)")
+    assert (out.returncode, out.stdout, out.stderr) == (7, "hello\n", "")
+    after = status(env)
+    assert after["pid"] == before["pid"] and after["served"] == before["served"] + 1
+    human = cli(env, "status").stdout
+    assert f"pid {before['pid']}" in human and "zygote RSS" in human and "stale: no" in human
+    assert cli(env, "stop").returncode == 0
+    assert wait_gone(before["pid"])
+    assert status(env) is None
+
+
+def test_edited_preloaded_module_is_seen_by_the_next_run(daemon_env):
+    env, site, _ = daemon_env
+    cli(env, "serve", "--detach")
+    pid = status(env)["pid"]
+    code = "import greeting; print(greeting.WORD)"
+    assert cli(env, "run", "--", PY, "-c", code).stdout == "hello\n"
+    time.sleep(0.01)
+    (site / "greeting.py").write_text("WORD = 'edited'\n")
+    out = cli(env, "run", "--", PY, "-c", code)
+    assert out.stdout == "edited\n"
+    assert "restarting" in out.stderr and "greeting.py changed" in out.stderr
+    assert status(env)["pid"] == pid  # restarted in place
+
+
+def test_differing_import_time_env_is_detected(daemon_env):
+    env, _, _ = daemon_env
+    cli(env, "serve", "--detach")
+    code = "import reads_env; print(reads_env.MODE)"
+    same = cli(env, "run", "--", PY, "-c", code)
+    other = cli(dict(env, DAEMON_IMPORT_MODE="b"), "run", "--", PY, "-c", code)
+    assert same.stdout == "a\n" and other.stdout == "b\n"
+    assert "DAEMON_IMPORT_MODE" in other.stderr and "fresh zygote" in other.stderr
+
+
+def test_connection_from_another_uid_is_refused(daemon_env):
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    env, _, runtime = daemon_env
+    cli(env, "serve", "--detach")
+    sock_path = next(str(p) for p in runtime.glob("preload_launcher-*/d-*.sock"))
+    served = status(env)["served"]
+    # Open the way for uid 65534 (the directory is 0700 and the socket 0600 otherwise).
+    for path in (runtime, os.path.dirname(sock_path)):
+        os.chmod(path, 0o711)
+    os.chmod(sock_path, 0o666)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock_path)
+            os.write(w, s.recv(4096) or b"EOF")
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    reply = os.read(r, 4096)
+    os.chmod(os.path.dirname(sock_path), 0o700)
+    assert b'"refused"' in reply
+    assert status(env)["served"] == served
+
+
+def test_garbage_frames_do_not_kill_the_daemon(daemon_env):
+    env, _, runtime = daemon_env
+    cli(env, "serve", "--detach")
+    sock_path = next(str(p) for p in runtime.glob("preload_launcher-*/d-*.sock"))
+    for junk in (b"\x00\x00\x00\x05{bad}", b"GET / HTTP/1.0\r\n\r\n", struct.pack("!I", 2**31) + b"x",
+                 struct.pack("!I", 8) + b"[1,2,3]!", b""):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(sock_path)
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            reply = s.recv(4096)
+        assert b'"error"' in reply, junk
+    out = cli(env, "run", "--", PY, "-c", "print('alive')")
+    assert out.stdout == "alive\n"
+
+
+def test_sigkilled_daemon_is_replaced_on_the_next_run(daemon_env):
+    env, _, _ = daemon_env
+    cli(env, "serve", "--detach")
+    old = status(env)["pid"]
+    os.kill(old, signal.SIGKILL)
+    assert wait_gone(old)
+    out = cli(env, "run", "--", PY, "-c", "print('again')")
+    assert out.stdout == "again\n" and "gone" in out.stderr
+    new = status(env)["pid"]
+    assert new != old
