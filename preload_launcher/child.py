@@ -38,6 +38,8 @@ class ZygoteState:
     base_path: list[str]  # sys.path of a fresh interpreter, without sys.path[0]
     signal_handlers: dict[int, object]  # dispositions right after preload
     zygote_fds: list[int] = field(default_factory=list)  # to close in the child
+    # Variables the preloaded modules set while importing (a fresh import would set them too).
+    env_set_by_preload: dict[str, str] = field(default_factory=dict)
 
 
 def die_with_parent() -> None:
@@ -136,6 +138,8 @@ def prepare_process(spec: StepSpec, state: ZygoteState, stdin_fd: int, out_fd: i
     attach_stdio(stdin_fd, out_fd)
     os.environ.clear()
     os.environ.update(spec.env)
+    for key, value in state.env_set_by_preload.items():
+        os.environ.setdefault(key, value)
     coerce_c_locale()
     os.chdir(spec.cwd)
     reseed_random_generators()

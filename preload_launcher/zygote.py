@@ -74,6 +74,7 @@ class Zygote:
         self.signal_handlers: dict[int, object] = {}
         self.stopping = False
         self.watch: Optional[StalenessWatch] = None
+        self.env_set_by_preload: dict[str, str] = {}
         self.restart_reason = ""
 
     # -------------------------------------------------------------- start-up
@@ -84,10 +85,13 @@ class Zygote:
                              f"{package_fingerprint()}-{self.probe.name}")
         skip.update({k: v for k, v in cache.get().items() if k in self.config["modules"]})
         from .preload import recording_env_reads
+        start_env = dict(os.environ)
         with recording_env_reads() as keys:
             report = preload(self.config["modules"], self.probe, skip)
         keys = (keys | set(IMPORT_ENV_KEYS)) - {"PYTORCH_NVML_BASED_CUDA_CHECK", SKIP_ENV, RESTART_ENV}
-        report.import_env = {k: os.environ.get(k) for k in sorted(keys)}
+        # What the imports saw, not what they left: some set variables while importing.
+        report.import_env = {k: start_env.get(k) for k in sorted(keys)}
+        self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
         if report.dirty_entry:
             entry = report.entries[-1]
             verdict = verdict_for(entry)
@@ -254,7 +258,8 @@ class Zygote:
             os.setpgid(0, 0)
             conn.settimeout(None)
             others = [s.conn.fileno() for s in self.steps.values()]
-            state = ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others)
+            state = ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others,
+                                self.env_set_by_preload)
             become_step(spec, fds, conn.fileno(), state)
         try:
             os.setpgid(pid, pid)  # also here: the client may signal the group at once

@@ -154,3 +154,23 @@ def test_import_time_environment_selects_the_zygote(fake_site, tmp_path):
         assert len(launcher.zygotes) == 2
     finally:
         launcher.close()
+
+
+def test_variables_set_by_preloaded_imports_are_seen_as_after_a_fresh_import(fake_site):
+    site, env, _ = fake_site
+    (site / "sets_env.py").write_text(
+        "import os\nos.environ.setdefault('SET_AT_IMPORT', os.environ.get('SET_AT_IMPORT_SEED', 'default'))\n")
+    launcher = Launcher(["sets_env"])
+    code = "import os, sets_env; print(os.environ['SET_AT_IMPORT'])"
+    try:
+        first = launcher.run([PY, "-c", code], env=env)
+        second = launcher.run([PY, "-c", code], env=env)
+        # The import saw no value, so this zygote's import does not fit; another one serves.
+        caller = launcher.run([PY, "-c", code], env=dict(env, SET_AT_IMPORT="caller"))
+        ref = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True)
+        assert (first.stdout, second.stdout) == (ref.stdout, ref.stdout) == ("default\n", "default\n")
+        assert caller.stdout == "caller\n"
+        assert {first.via, second.via, caller.via} == {"zygote"}
+        assert len(launcher.zygotes) == 2
+    finally:
+        launcher.close()
