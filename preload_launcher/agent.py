@@ -85,6 +85,10 @@ def unsupported_reason(args, config) -> str:
     return ""
 
 
+def max_local_ranks() -> int:
+    return int(os.environ.get("PRELOAD_LAUNCHER_MAX_RANKS", "1024"))
+
+
 def rank_envs(config, master_addr: str, master_port: int, error_dir: str,
               base_env: dict[str, str]) -> list[dict[str, str]]:
     """torchrun's per-worker environment (local_elastic_agent ``_start_workers``), one node."""
@@ -152,6 +156,12 @@ def run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int) -> int:
         protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
         return 0
     reason = "nproc_per_node=gpu without NVML" if config is None else unsupported_reason(args, config)
+    if not reason and config.nproc_per_node > max_local_ranks():
+        # torchrun would try to start them all; refuse the way torchrun refuses bad values.
+        protocol.send_event(conn_fd, "exec", t=time.time())
+        print(f"ValueError: --nproc-per-node={config.nproc_per_node} exceeds the limit of "
+              f"{max_local_ranks()} local ranks (PRELOAD_LAUNCHER_MAX_RANKS)", file=sys.stderr)
+        return 1
     if not reason and (probe_from_env().initialized() or torch_cuda_initialized()):
         reason = "the agent initialised CUDA while parsing; ranks cannot be forked from it"
     if reason:

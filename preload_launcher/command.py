@@ -5,6 +5,7 @@ Only forms whose meaning is certain are served; everything else runs as a plain 
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -186,10 +187,26 @@ def parse_python_argv(argv: list[str]) -> Union[PythonTarget, Unsupported]:
     return Unsupported("no script, -m or -c: interactive interpreter")
 
 
+MAX_ARG_STRLEN = 32 * 4096  # Linux: the longest single argument or environment string
+
+
+def check_exec_limits(args: list[str], env: dict[str, str]) -> None:
+    """Raise the ``OSError(E2BIG)`` that ``exec`` (and so ``subprocess.run``) would raise.
+
+    A forked child would accept any size, so without this a command that cannot run as a
+    process would run through the zygote."""
+    strings = [os.fsencode(a) for a in args] + [os.fsencode(f"{k}={v}") for k, v in env.items()]
+    pointer = 8
+    total = sum(len(s) + 1 + pointer for s in strings)
+    if total > os.sysconf("SC_ARG_MAX") or any(len(s) + 1 > MAX_ARG_STRLEN for s in strings):
+        raise OSError(errno.E2BIG, os.strerror(errno.E2BIG), args[0] if args else None)
+
+
 def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepSpec, Unsupported]:
     """Classify ``args``: a python step, a torchrun step, or ``Unsupported`` with a reason."""
     if not args:
         return Unsupported("empty command")
+    check_exec_limits(args, env)
     program = args[0]
     if os.path.basename(program) == "torchrun":
         if not resolves_to_this_interpreter(program, env, cwd, python_sibling=True):
