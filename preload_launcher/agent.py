@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from typing import Optional
@@ -89,7 +88,7 @@ def max_local_ranks() -> int:
     return int(os.environ.get("PRELOAD_LAUNCHER_MAX_RANKS", "1024"))
 
 
-def rank_envs(config, master_addr: str, master_port: int, error_dir: str,
+def rank_envs(config, master_addr: str, master_port: int, error_files: dict[int, str],
               base_env: dict[str, str]) -> list[dict[str, str]]:
     """torchrun's per-worker environment (local_elastic_agent ``_start_workers``), one node."""
     n = config.nproc_per_node
@@ -113,7 +112,7 @@ def rank_envs(config, master_addr: str, master_port: int, error_dir: str,
             "TORCHELASTIC_RUN_ID": config.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "TORCHELASTIC_ERROR_FILE": os.path.join(error_dir, str(rank), "error.json"),
+            "TORCHELASTIC_ERROR_FILE": error_files.get(rank, ""),
             "TORCHELASTIC_SIGNALS_TO_HANDLE": getattr(config, "signals_to_handle",
                                                       "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
         })
@@ -184,7 +183,12 @@ class Agent:
         self.args = args
         self.config = config
         self.target = target
-        self.error_dir = tempfile.mkdtemp(prefix="preload_launcher_")
+        # torchrun's own log layout: <log_dir>/<run_id>/attempt_0/<rank>/{stdout,stderr}.log,
+        # error.json; a temporary log_dir when none is given.
+        self.logs = config.logs_specs.reify(
+            {r: {"TORCHELASTIC_RUN_ID": config.run_id, "TORCHELASTIC_RESTART_COUNT": "0"}
+             for r in range(config.nproc_per_node)})
+        self.tails: list = []
         self.ranks: dict[int, int] = {}  # pid -> local rank
         self.go_pipes: dict[int, int] = {}  # local rank -> write end
         self.failures: dict[int, RankFailure] = {}
@@ -225,17 +229,42 @@ class Agent:
                 message += chunk
             os.close(go_r)
             addr, port = message.decode().split()
-            env = rank_envs(self.config, addr, int(port), self.error_dir, dict(os.environ))[rank]
+            env = rank_envs(self.config, addr, int(port), self.logs.error_files,
+                            dict(os.environ))[rank]
             os.environ.clear()
             os.environ.update(env)
-            if rank not in (self.config.logs_specs._local_ranks_filter or {rank}):
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, 1)
-                os.dup2(devnull, 2)
-                os.close(devnull)
+            self._redirect_output(rank)
             run_python_step(self.target, self.state, None)
         finally:
             os._exit(code)
+
+    def _redirect_output(self, rank: int) -> None:
+        """--redirects/--tee/--local-ranks-filter: a rank writes to its log file or nowhere."""
+        for fd, path in ((1, self.logs.stdouts.get(rank, "")), (2, self.logs.stderrs.get(rank, ""))):
+            if path:  # "" means the console, as in torchrun
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
+
+    def start_tails(self) -> None:
+        """--tee: copy each rank's log to the step's output with torchrun's line prefix."""
+        if not (self.logs.tee_stdouts or self.logs.tee_stderrs):
+            return
+        from string import Template
+        from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+        prefixes = None
+        if template:
+            prefixes = {r: Template(template).safe_substitute(role_name=self.config.role, rank=r,
+                                                               local_rank=r)
+                        for r in range(self.config.nproc_per_node)}
+        self.tails = [TailLog(self.config.role, self.logs.tee_stdouts, sys.stdout, prefixes).start(),
+                      TailLog(self.config.role, self.logs.tee_stderrs, sys.stderr, prefixes).start()]
+
+    def stop_tails(self) -> None:
+        for tail in self.tails:
+            tail.stop()
+        sys.stdout.flush()
 
     def start_store(self, addr: str, port: int):
         from torch.distributed import TCPStore
@@ -257,6 +286,7 @@ class Agent:
                 self.terminate(signal.SIGKILL)
                 return 1
             go = f"{addr} {store.port}\n".encode()
+            self.start_tails()
             for fd in self.go_pipes.values():
                 os.write(fd, go)
                 os.close(fd)
@@ -266,6 +296,8 @@ class Agent:
             self.terminate(signal.SIGTERM)
             if not self.failures:
                 return -stop.signum
+        finally:
+            self.stop_tails()
         if self.failures:
             self.report_failures()
             first = min(self.failures.values(), key=lambda f: f.timestamp)
@@ -288,8 +320,7 @@ class Agent:
     def record_failure(self, rank: int, pid: int, code: int) -> None:
         self.failures[rank] = RankFailure(rank=rank, local_rank=rank, pid=pid, exitcode=code,
                                           timestamp=time.time(),
-                                          error_file=os.path.join(self.error_dir, str(rank),
-                                                                  "error.json"))
+                                          error_file=self.logs.error_files.get(rank, ""))
 
     def terminate(self, signum: int) -> None:
         """SIGTERM the rest, wait one deadline, then SIGKILL (torch elastic's ``_close``)."""

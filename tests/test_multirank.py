@@ -125,3 +125,35 @@ def _children_of_zygotes(launcher):
         except OSError:
             pass
     return pids
+
+
+PRINTER = "import os, sys\nr = os.environ['RANK']\nprint('out from', r)\nprint('err from', r, file=sys.stderr)\n"
+
+
+def rank_lines(output):
+    """Prefixed (tee'd) lines as they are; unprefixed ranks write python -u's pieces straight to
+    the shared stream (as under torchrun), so those are compared as a multiset of characters."""
+    lines = [l for l in output.splitlines() if not l.startswith(("W1", "*", "Setting OMP"))]
+    prefixed = sorted(l for l in lines if l.startswith("[default"))
+    loose = sorted("".join(l for l in lines if not l.startswith("[default")).replace(" ", ""))
+    return prefixed, loose
+
+
+@pytest.mark.parametrize("flags", [["--tee", "3"], ["--tee", "3", "--local-ranks-filter", "1"],
+                                   ["--redirects", "3"], ["--redirects", "1"], []])
+def test_output_options_match_torchrun(torch_launcher, tmp_path, flags):
+    script = tmp_path / "printer.py"
+    script.write_text(PRINTER)
+    results = {}
+    for how in ("ours", "theirs"):
+        log_dir = tmp_path / f"logs-{how}"
+        args = [TORCHRUN, "--nproc_per_node=2", "--log-dir", str(log_dir), *flags, str(script)]
+        results[how] = (torch_launcher.run(args, timeout=120) if how == "ours"
+                        else plain(args, timeout=120))
+        results[how + "_logs"] = sorted(
+            (p.relative_to(log_dir).parts[-2:], p.read_text())
+            for p in log_dir.rglob("*.log"))
+    assert results["ours"].returncode == results["theirs"].returncode == 0
+    assert results["ours"].via == "zygote"
+    assert rank_lines(results["ours"].stdout) == rank_lines(results["theirs"].stdout)
+    assert results["ours_logs"] == results["theirs_logs"]
