@@ -23,7 +23,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import protocol
+from . import learn, protocol
 from .command import PythonTarget, StepSpec
 
 __all__ = ["ZygoteState", "become_step", "prepare_process", "run_target", "finish"]
@@ -40,6 +40,8 @@ class ZygoteState:
     zygote_fds: list[int] = field(default_factory=list)  # to close in the child
     # Variables the preloaded modules set while importing (a fresh import would set them too).
     env_set_by_preload: dict[str, str] = field(default_factory=dict)
+    learn_reports_dir: str = ""  # where a step reports the modules it imported ("" = off)
+    project: str = ""
 
 
 def die_with_parent() -> None:
@@ -303,6 +305,43 @@ def start_coverage_if_requested() -> None:
     coverage.process_startup()
 
 
+def warm_cuda_context() -> None:
+    """Make the CUDA context of the default device now, before a step needs it.
+
+    Only the context: no tensor, so the allocator's statistics read as in a fresh process."""
+    torch = sys.modules.get("torch")
+    if torch is None or os.environ.get("PRELOAD_LAUNCHER_PREWARM_CUDA", "1") == "0":
+        return
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        if pynvml.nvmlDeviceGetCount() == 0:
+            return
+        torch.cuda.set_device(0)
+    except Exception:
+        pass  # no NVML or no GPU: the warm child still saves the fork
+
+
+def wait_as_warm_child(sock, state: ZygoteState) -> None:
+    """A pre-warmed child: make the context, wait for one step, become it. Never returns."""
+    code = 0
+    try:
+        die_with_parent()
+        warm_cuda_context()
+        try:
+            spec, fds = protocol.recv_request_blocking(sock)
+        except (OSError, ValueError):
+            os._exit(0)  # the zygote went away or restarted: nothing to serve
+        stdin_fd, out_fd, conn_fd = fds
+        state.zygote_fds = [sock.fileno()]
+        become_step(spec, [stdin_fd, out_fd], conn_fd, state)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
 def run_python_step(target: PythonTarget, state: ZygoteState, conn_fd: Optional[int]) -> None:
     """Apply interpreter options, announce the start, run the target and exit like python."""
     configure_stdio(target, dict(os.environ))
@@ -312,7 +351,10 @@ def run_python_step(target: PythonTarget, state: ZygoteState, conn_fd: Optional[
     if conn_fd is not None:
         protocol.send_event(conn_fd, "exec", t=time.time())
         os.close(conn_fd)
-    finish(run_target(target))
+    modules_before = set(sys.modules)
+    code = run_target(target)
+    learn.report_step_imports(modules_before, state.learn_reports_dir, state.project)
+    finish(code)
 
 
 def _python_flags(target: PythonTarget) -> list[str]:

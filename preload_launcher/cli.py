@@ -78,11 +78,51 @@ def format_doctor(status: dict) -> str:
                      f"{' -> '.join(verdict['chain'])}")
     lines.append("")
     lines.append(f"final preload set: {', '.join(report.get('loaded', [])) or '(none)'}")
+    lines.append(format_learned(report.get("learned", {})))
     threads = status.get("native_threads", {})
     lines.append(f"native threads at fork time: {sum(threads.values())} "
                  f"({', '.join(f'{k}×{v}' for k, v in sorted(threads.items()))})")
     lines.append(f"zygote RSS: {status.get('rss_kb', 0) / 1024:.0f} MiB")
     return "\n".join(lines)
+
+
+def format_learned(learned: dict) -> str:
+    if not learned:
+        return "learned preload: off (PRELOAD_LAUNCHER_LEARN=0)"
+    if "disabled" in learned:
+        return f"learned preload: disabled ({learned['disabled']})"
+    text = (f"learned preload: {learned['loaded']} of {learned['listed']} modules that earlier "
+            f"steps imported, {learned['seconds']:.1f} s at start-up")
+    if learned.get("over_budget"):
+        text += f", {learned['over_budget']} left out by the budget"
+    if learned.get("quarantined"):
+        text += f"; quarantined: {', '.join(learned['quarantined'])}"
+    return text
+
+
+def cmd_learned(args: argparse.Namespace) -> int:
+    """Show, pin or forget what the learned preload keeps for this project and environment."""
+    from . import learn
+    project = os.path.abspath(args.project or os.getcwd())
+    profile = learn.Profile(settings.cache_dir(), learn.profile_key(project), project)
+    profile.merge_reports()
+    for module in args.pin or []:
+        profile.pin(module)
+    for module in args.forget or []:
+        profile.forget(module)
+    if args.clear:
+        profile.data["modules"] = {}
+    profile.save()
+    modules = profile.data["modules"]
+    print(f"profile {profile.path} (project {project})")
+    print(f"{len(modules)} learned, pinned: {', '.join(profile.data['pinned']) or '-'}, "
+          f"forgotten: {', '.join(profile.data['forgotten']) or '-'}")
+    costly = sorted(modules, key=lambda m: -(modules[m]["seconds"] or 0))[:args.top]
+    for name in costly:
+        seconds = modules[name]["seconds"]
+        print(f"  {name:50} seen {modules[name]['count']:4}x  "
+              f"{'%.3f s' % seconds if seconds is not None else 'not preloaded yet'}")
+    return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -182,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show running daemons")
     status.add_argument("--preload", default=None)
     status.add_argument("--json", action="store_true")
+    learned = sub.add_parser("learned", help="show, pin or forget learned preload entries")
+    learned.add_argument("--project", default=None, help="project root (default: cwd)")
+    learned.add_argument("--pin", action="append", metavar="MODULE")
+    learned.add_argument("--forget", action="append", metavar="MODULE")
+    learned.add_argument("--clear", action="store_true", help="forget everything learned")
+    learned.add_argument("--top", type=int, default=20, help="show the N costliest")
     stop = sub.add_parser("stop", help="stop a daemon and the steps it runs")
     stop.add_argument("--preload", default=None)
     stop.add_argument("--all", action="store_true")
@@ -193,7 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
     return {"run": cmd_run, "doctor": cmd_doctor, "serve": cmd_serve, "status": cmd_status,
-            "stop": cmd_stop}[args.verb](args)
+            "stop": cmd_stop, "learned": cmd_learned}[args.verb](args)
 
 
 if __name__ == "__main__":

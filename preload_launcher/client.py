@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence, Union
 
-from . import protocol, settings
+from . import learn, protocol, settings
 from .command import StepSpec, Unsupported, parse_command
 from .result import LauncherError, StepResult
 from .zygote import BOOTSTRAP
@@ -43,7 +43,7 @@ class ZygoteProcess:
 
     def __init__(self, modules: Sequence[str], env: Mapping[str, str],
                  cache_dir: Optional[str] = None, socket_path: Optional[str] = None,
-                 daemon: bool = False) -> None:
+                 daemon: bool = False, project: Optional[str] = None) -> None:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
         self.env = {k: v for k, v in env.items() if not k.startswith(COVERAGE_ENV_PREFIXES)}
@@ -56,6 +56,7 @@ class ZygoteProcess:
                                 "set XDG_RUNTIME_DIR to a shorter directory")
         self.log_path = self.socket_path[:-5] + ".log"
         self.daemon = daemon
+        self.project = os.path.abspath(project or os.getcwd())
         self.process: Optional[subprocess.Popen] = None
         self.status: dict = {}
         self._alive_w = -1
@@ -81,7 +82,9 @@ class ZygoteProcess:
         ready_r, ready_w = os.pipe()
         alive_r, alive_w = (-1, -1) if self.daemon else os.pipe()
         config = {"modules": self.modules, "listen_fd": listener.fileno(), "ready_fd": ready_w,
-                  "alive_fd": alive_r, "cache_dir": self.cache_dir, "daemon": self.daemon}
+                  "alive_fd": alive_r, "cache_dir": self.cache_dir, "daemon": self.daemon,
+                  "project": self.project, "learn": learn.learning_enabled(self.env),
+                  "prewarm": settings.prewarm_enabled(self.env)}
         pass_fds = [fd for fd in (listener.fileno(), ready_w, alive_r) if fd >= 0]
         try:
             with open(self.log_path, "ab") as log:
@@ -328,8 +331,10 @@ def _check_args(args) -> Union[list[str], str]:
 class Launcher:
     """Zygotes by preload set and import-relevant environment, reused across steps."""
 
-    def __init__(self, modules: Optional[Sequence[str]] = None, max_zygotes: int = 3) -> None:
+    def __init__(self, modules: Optional[Sequence[str]] = None, max_zygotes: int = 3,
+                 project: Optional[str] = None) -> None:
         self.modules = tuple(modules) if modules is not None else None
+        self.project = project  # where learned-preload profiles are keyed (default: cwd)
         self.max_zygotes = max_zygotes
         self.zygotes: list[ZygoteProcess] = []
         self.stats = {"zygote": 0, "subprocess": 0, "reasons": {}}
@@ -354,7 +359,7 @@ class Launcher:
             if len(self.zygotes) >= self.max_zygotes:
                 oldest = self.zygotes.pop(0)
                 oldest.close()
-            z = ZygoteProcess(modules, env).launch()
+            z = ZygoteProcess(modules, env, project=self.project).launch()
             self.zygotes.append(z)
         z.wait_ready()
         return z
@@ -363,7 +368,7 @@ class Launcher:
         """Launch a zygote in the background (its preload overlaps the caller's work)."""
         env = dict(os.environ if env is None else env)
         with self._lock:
-            z = ZygoteProcess(list(self.preload_set()), env).launch()
+            z = ZygoteProcess(list(self.preload_set()), env, project=self.project).launch()
             self.zygotes.append(z)
         return z
 

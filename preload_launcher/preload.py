@@ -253,6 +253,7 @@ class PreloadReport:
     seconds: float = 0.0
     import_env: dict[str, Optional[str]] = field(default_factory=dict)
     dirty_entry: str = ""  # set when an entry left the process unfit to fork
+    learned: dict = field(default_factory=dict)  # the learned preload's summary
 
     @property
     def loaded(self) -> list[str]:
@@ -352,6 +353,43 @@ def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
                 break
     report.seconds = round(time.perf_counter() - start, 3)
     return report
+
+
+def preload_learned(modules: list[str], probe: DriverProbe, budget: float) -> tuple[dict, Optional[EntryReport]]:
+    """Import learned modules until the time budget is spent; stop at the first dirty one.
+
+    Returns a summary and, when one made the process unfit to fork, its report."""
+    summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
+               "costs": {}}
+    start = time.perf_counter()
+    with cuda_safe_imports():
+        for i, module in enumerate(modules):
+            if time.perf_counter() - start >= budget:
+                summary["over_budget"] = len(modules) - i
+                break
+            if module in sys.modules:
+                summary["loaded"] += 1
+                continue
+            t0 = time.perf_counter()
+            with _CulpritHook(probe) as hook:
+                try:
+                    importlib.import_module(module)
+                    summary["loaded"] += 1
+                except BaseException:
+                    summary["failed"] += 1
+            summary["costs"][module] = time.perf_counter() - t0
+            dirty = probe.initialized() or torch_cuda_initialized()
+            threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+            if dirty or threads:
+                entry = EntryReport(module=module, ok=True, python_threads=threads,
+                                    driver_initialized=probe.initialized(),
+                                    torch_cuda_initialized=torch_cuda_initialized(),
+                                    culprit=hook.culprit or module,
+                                    chain=_dedupe([module] + hook.chain))
+                summary["seconds"] = round(time.perf_counter() - start, 3)
+                return summary, entry
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    return summary, None
 
 
 def verdict_for(entry: EntryReport) -> dict:

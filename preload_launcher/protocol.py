@@ -65,6 +65,15 @@ def recv_request(sock: socket.socket) -> tuple[dict, list[int]]:
         raise
 
 
+def recv_request_blocking(sock: socket.socket) -> tuple[dict, list[int]]:
+    """``recv_request`` that waits indefinitely (a warm child waiting for its step)."""
+    sock.settimeout(None)
+    request, fds = recv_request(sock)
+    if not fds and not request:
+        raise ProtocolError("empty hand-off")
+    return request, fds
+
+
 def send_event(sock_or_fd, event: str, **fields) -> None:
     """Send one event line; never raises on a vanished peer (the caller decides what EOF means)."""
     line = (json.dumps({"event": event, **fields}) + "\n").encode()

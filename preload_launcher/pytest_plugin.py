@@ -90,6 +90,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
                       f" in {report['seconds']:.1f} s")
         for entry, verdict in report.get("quarantined", {}).items():
             tr.write_line(f"  quarantined {entry}: {verdict['reason']} ({verdict['culprit']})")
+        from .cli import format_learned
+        tr.write_line("  " + format_learned(report.get("learned", {})))
         failed = [e["module"] for e in report.get("entries", []) if not e["ok"]]
         if failed:
             tr.write_line(f"  not importable: {', '.join(failed)}")

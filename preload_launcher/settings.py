@@ -41,6 +41,12 @@ def enabled(environ: Mapping[str, str] = os.environ, default: bool = True) -> bo
     return default if value is None else _validate_bool(value, "PRELOAD_LAUNCHER environment variable")
 
 
+def prewarm_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """``PRELOAD_LAUNCHER_PREWARM=1``: keep a child forked ahead, its CUDA context made."""
+    value = environ.get("PRELOAD_LAUNCHER_PREWARM")
+    return False if value is None else _validate_bool(value, "PRELOAD_LAUNCHER_PREWARM environment variable")
+
+
 def preload_modules(explicit: Optional[str] = None, ini: Optional[str] = None,
                     environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """Precedence: explicit (CLI/argument) > env > ini > default."""

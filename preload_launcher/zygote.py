@@ -20,11 +20,12 @@ import threading
 import time
 from typing import Optional
 
-from . import protocol
-from .child import ZygoteState, become_step
+from . import learn, protocol
+from .child import ZygoteState, become_step, wait_as_warm_child
 from .settings import IMPORT_ENV_KEYS
 from .preload import (PreloadReport, VerdictCache, native_threads, package_fingerprint, preload,
-                      probe_from_env, torch_cuda_initialized, verdict_for)
+                      preload_learned, probe_from_env, recording_env_reads,
+                      torch_cuda_initialized, verdict_for)
 
 __all__ = ["main", "BOOTSTRAP"]
 
@@ -37,6 +38,8 @@ def say(fmt: str, *args) -> None:
           flush=True)
 
 SKIP_ENV = "_PRELOAD_LAUNCHER_QUARANTINE"
+LEARNED = "learned:"  # verdict-cache prefix for learned modules
+MAX_LEARNED_QUARANTINES = 5
 RESTART_ENV = "_PRELOAD_LAUNCHER_RESTARTED"  # set across a staleness re-exec: stay quiet
 REQUEST_READ_TIMEOUT_S = 10.0
 
@@ -47,6 +50,22 @@ BOOTSTRAP = (
     "from preload_launcher import zygote; sys.path[:] = base; "
     "zygote.main(sys.argv[2], base)"
 )
+
+
+# Environment that shapes a CUDA context: a warm child serves only steps that agree on it.
+WARM_ENV_PREFIXES = ("CUDA_", "NVIDIA_", "PYTORCH_CUDA", "PYTORCH_NVML", "TORCH_CUDA", "NCCL_",
+                     "LD_", "PRELOAD_LAUNCHER_PROBE")
+
+
+def cuda_env(env) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(WARM_ENV_PREFIXES)}
+
+
+class WarmChild:
+    """A child forked ahead of its step: CUDA context made, waiting on ``sock`` for a step."""
+
+    def __init__(self, pid: int, sock: socket.socket, env: dict) -> None:
+        self.pid, self.sock, self.env = pid, sock, env
 
 
 class Step:
@@ -75,33 +94,64 @@ class Zygote:
         self.stopping = False
         self.watch: Optional[StalenessWatch] = None
         self.env_set_by_preload: dict[str, str] = {}
+        self.learn_reports_dir = ""
+        self.warm: Optional[WarmChild] = None
+        self.warm_served = 0
         self.restart_reason = ""
 
     # -------------------------------------------------------------- start-up
 
     def run_preload(self) -> None:
         skip = json.loads(os.environ.pop(SKIP_ENV, "{}"))
-        cache = VerdictCache(self.config["cache_dir"],
-                             f"{package_fingerprint()}-{self.probe.name}")
-        skip.update({k: v for k, v in cache.get().items() if k in self.config["modules"]})
-        from .preload import recording_env_reads
+        fingerprint = package_fingerprint()
+        cache = VerdictCache(self.config["cache_dir"], f"{fingerprint}-{self.probe.name}")
+        skip.update({k: v for k, v in cache.get().items()
+                     if k in self.config["modules"] or k.startswith(LEARNED)})
         start_env = dict(os.environ)
         with recording_env_reads() as keys:
             report = preload(self.config["modules"], self.probe, skip)
+            if report.dirty_entry:
+                self.quarantine(report.entries[-1], report.entries[-1].module, cache, skip)
+            if self.config.get("learn"):
+                report.learned = self.preload_learned(fingerprint, cache, skip)
         keys = (keys | set(IMPORT_ENV_KEYS)) - {"PYTORCH_NVML_BASED_CUDA_CHECK", SKIP_ENV, RESTART_ENV}
         # What the imports saw, not what they left: some set variables while importing.
         report.import_env = {k: start_env.get(k) for k in sorted(keys)}
         self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
-        if report.dirty_entry:
-            entry = report.entries[-1]
-            verdict = verdict_for(entry)
-            say("preload entry %s %s (culprit %s via %s); restarting without it",
-                        entry.module, verdict["reason"], verdict["culprit"],
-                        " -> ".join(verdict["chain"]))
-            cache.put(entry.module, verdict)
-            skip[entry.module] = verdict
-            self.restart_without(skip)
         self.report = report
+
+    def quarantine(self, entry, name: str, cache: VerdictCache, skip: dict) -> None:
+        """Remember the verdict and re-exec without ``name``; never returns."""
+        verdict = verdict_for(entry)
+        say("preload entry %s %s (culprit %s via %s); restarting without it",
+            name, verdict["reason"], verdict["culprit"], " -> ".join(verdict["chain"]))
+        cache.put(name, verdict)
+        skip[name] = verdict
+        self.restart_without(skip)
+
+    def preload_learned(self, fingerprint: str, cache: VerdictCache, skip: dict) -> dict:
+        """Modules earlier steps imported, within the budget, under the same CUDA-clean rules."""
+        project = self.config.get("project", "")
+        profile = learn.Profile(self.config["cache_dir"], learn.profile_key(project), project)
+        if profile.check_packages(fingerprint):
+            say("installed packages changed: the learned preload starts over")
+        profile.merge_reports()
+        self.learn_reports_dir = profile.reports_dir
+        refused = {k[len(LEARNED):] for k in skip if k.startswith(LEARNED)}
+        if len(refused) > MAX_LEARNED_QUARANTINES:
+            say("learned preload off: %d learned modules dirtied the zygote", len(refused))
+            profile.save()
+            return {"disabled": f"{len(refused)} learned modules quarantined"}
+        modules = profile.to_preload(exclude=refused | set(self.config["modules"]))
+        summary, dirty = preload_learned(modules, self.probe, learn.budget_s())
+        for module, seconds in summary.pop("costs").items():
+            profile.record_cost(module, seconds)
+        profile.save()
+        if dirty is not None:
+            self.quarantine(dirty, LEARNED + dirty.module, cache, skip)
+        summary["quarantined"] = sorted(refused)
+        summary["profile"] = profile.path
+        return summary
 
     def restart_without(self, skip: dict) -> None:
         """Re-exec with the quarantine: the pid, socket and pipes survive, the dirt does not."""
@@ -149,6 +199,7 @@ class Zygote:
             "torch_cuda_initialized": torch_cuda_initialized(),
             "modules": self.config["modules"], "daemon": bool(self.config.get("daemon")),
             "steps_pss_kb": sum(_tree_pss_kb(pid) for pid in self.steps),
+            "warm_pid": self.warm.pid if self.warm else None, "warm_served": self.warm_served,
             "stale": self.watch.changes() if self.watch else [],
         }
 
@@ -178,6 +229,7 @@ class Zygote:
             self.selector.register(self.alive_fd, selectors.EVENT_READ, "alive")
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(sig_r, selectors.EVENT_READ, "signal")
+        self.start_warm_child()
         while not self.stopping:
             for key, _ in self.selector.select():
                 if key.data == "accept":
@@ -251,20 +303,12 @@ class Zygote:
             conn.close()
             self.restart_if_idle()
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.setpgid(0, 0)
-            conn.settimeout(None)
-            others = [s.conn.fileno() for s in self.steps.values()]
-            state = ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others,
-                                self.env_set_by_preload)
-            become_step(spec, fds, conn.fileno(), state)
-        try:
-            os.setpgid(pid, pid)  # also here: the client may signal the group at once
-        except OSError:
-            pass
+        pid = self.hand_to_warm_child(conn, spec, fds)
+        if pid is None:
+            pid = self.fork()
+            if pid == 0:
+                conn.settimeout(None)
+                become_step(spec, fds, conn.fileno(), self.child_state())
         for fd in fds:
             os.close(fd)
         self.served += 1
@@ -273,6 +317,66 @@ class Zygote:
         conn.setblocking(False)
         protocol_send(conn, "started", pid=pid)
         self.selector.register(conn, selectors.EVENT_READ, step)
+        self.start_warm_child()
+
+    def fork(self) -> int:
+        """fork() with the step's own process group set on both sides (no race with killpg)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, 0)
+            return 0
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
+        return pid
+
+    def child_state(self) -> ZygoteState:
+        others = [s.conn.fileno() for s in self.steps.values()]
+        return ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others,
+                           self.env_set_by_preload, self.learn_reports_dir,
+                           self.config.get("project", ""))
+
+    # -------------------------------------------------------------- pre-warmed children
+
+    def start_warm_child(self) -> None:
+        """Fork the next step's process ahead of time; it makes its CUDA context and waits."""
+        if (not self.config.get("prewarm") or self.warm is not None or self.stopping
+                or self.restart_reason or self.fork_refusal()):
+            return
+        zygote_end, child_end = socket.socketpair()
+        state = self.child_state()
+        pid = self.fork()
+        if pid == 0:
+            zygote_end.close()
+            for fd in state.zygote_fds:  # the waiting child holds nothing of the zygote's
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            state.zygote_fds = []
+            wait_as_warm_child(child_end, state)
+        child_end.close()
+        self.warm = WarmChild(pid, zygote_end, cuda_env(os.environ))
+
+    def hand_to_warm_child(self, conn: socket.socket, spec: dict, fds: list[int]) -> Optional[int]:
+        """Give the step to the warm child when its CUDA-relevant environment matches; each
+        warm child serves one step. Returns its pid, or None to fork a fresh child."""
+        warm = self.warm
+        if warm is None or cuda_env(spec.get("env") or {}) != warm.env:
+            return None
+        self.warm = None
+        try:
+            protocol.send_request(warm.sock, spec, [*fds, conn.fileno()])
+        except OSError:
+            _killpg(warm.pid, signal.SIGKILL)  # it died waiting: reaped as a non-step
+            return None
+        finally:
+            warm.sock.close()
+        self.warm_served += 1
+        return warm.pid
 
     def on_step_conn(self, step: Step) -> None:
         """A message from the client of a running step: a signal to forward, or EOF."""
@@ -303,6 +407,9 @@ class Zygote:
             # The leader is a zombie: its group cannot be recycled yet, so this is safe.
             _killpg(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
+            if self.warm is not None and pid == self.warm.pid:
+                self.warm.sock.close()
+                self.warm = None
             step = self.steps.pop(pid, None)
             if step is None:
                 continue

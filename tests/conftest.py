@@ -1,11 +1,15 @@
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 from preload_launcher import Launcher
+
+# Verdicts and learned profiles of this test session stay out of the user's cache.
+os.environ.setdefault("PRELOAD_LAUNCHER_CACHE_DIR", tempfile.mkdtemp(prefix="pl-cache-"))
 
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
 PY = sys.executable

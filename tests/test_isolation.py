@@ -151,3 +151,34 @@ def test_caller_killed_mid_step_leaves_no_orphan(tmp_path):
     caller.kill()
     caller.wait()
     assert wait_gone(step_pid)
+
+
+def test_ctrl_c_in_the_caller_interrupts_the_step(tmp_path):
+    """KeyboardInterrupt while waiting: the step gets SIGINT, then SIGKILL; the caller re-raises."""
+    pidfile = tmp_path / "step.pid"
+    marker = tmp_path / "interrupted"
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import signal, sys\n"
+        "from preload_launcher import Launcher\n"
+        "l = Launcher(['json'])\n"
+        "step = (\"import os, time\\n\"\n"
+        f"        \"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\\n\"\n"
+        "        \"try:\\n    time.sleep(60)\\n\"\n"
+        f"        \"except KeyboardInterrupt:\\n    open({str(marker)!r}, 'w').write('yes')\\n    raise\\n\")\n"
+        "try:\n"
+        "    l.run([sys.executable, '-c', step])\n"
+        "except KeyboardInterrupt:\n"
+        "    print('caller interrupted', flush=True)\n"
+        "    l.close()\n"
+        "    sys.exit(130)\n")
+    caller = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    step_pid = int(pidfile.read_text())
+    caller.send_signal(signal.SIGINT)
+    out, _ = caller.communicate(timeout=30)
+    assert caller.returncode == 130 and out == "caller interrupted\n"
+    assert wait_gone(step_pid)
+    assert marker.read_text() == "yes"  # the step saw KeyboardInterrupt, as a terminal's Ctrl-C gives

@@ -1,0 +1,122 @@
+"""Learned preload: steps teach the next zygote what to import."""
+import os
+import time
+
+import pytest
+
+from preload_launcher import Launcher
+
+from conftest import PY
+
+
+@pytest.fixture
+def learn_site(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    log = tmp_path / "imports.log"
+    for name in ("slow_a", "slow_b"):
+        (site / f"{name}.py").write_text(
+            f"import time\nopen({str(log)!r}, 'a').write('{name}\\n')\ntime.sleep(0.5)\n")
+    (site / "dirty_learned.py").write_text(
+        f"open({str(log)!r}, 'a').write('dirty_learned\\n')\n"
+        "from preload_launcher.preload import fake_cuinit\nfake_cuinit()\n")
+    dist = site / "learnpkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: learnpkg\nVersion: 1.0\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "local_helper.py").write_text("X = 1\n")
+    env = dict(os.environ, PYTHONPATH=f"{site}:{project}", PRELOAD_LAUNCHER_PROBE="fake",
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("PRELOAD_LAUNCHER_LEARN", None)
+    return site, project, env, log
+
+
+def session(project, env, code, modules=("json",)):
+    """One launcher 'session': start a zygote, run one step, close; returns (result, seconds, status)."""
+    launcher = Launcher(list(modules), project=str(project))
+    try:
+        start = time.perf_counter()
+        result = launcher.run([PY, "-c", code], env=env, cwd=str(project))
+        elapsed = time.perf_counter() - start
+        zygote_start = launcher.zygotes[0].status
+        return result, elapsed, zygote_start
+    finally:
+        launcher.close()
+
+
+def test_a_step_teaches_the_next_zygote(learn_site):
+    site, project, env, log = learn_site
+    code = "import slow_a, local_helper; print('ok')"
+    first, _, status1 = session(project, env, code)
+    assert first.stdout == "ok\n" and status1["preload"]["learned"]["listed"] == 0
+    launcher = Launcher(["json"], project=str(project))
+    try:
+        zygote = launcher.zygote_for(env)
+        learned = zygote.status["preload"]["learned"]
+        assert learned["loaded"] >= 1
+        start = time.perf_counter()
+        again = launcher.run([PY, "-c", code], env=env, cwd=str(project))
+        assert again.stdout == "ok\n" and time.perf_counter() - start < 0.4  # slow_a is preloaded
+    finally:
+        launcher.close()
+    assert log.read_text().count("slow_a") == 2  # the first step, then the second zygote only
+    import json
+    profile = json.load(open(learned["profile"]))
+    assert "slow_a" in profile["modules"] and profile["modules"]["slow_a"]["seconds"] >= 0.5
+    assert "local_helper" not in profile["modules"]  # the project's own tree is never learned
+
+
+def test_a_learned_module_that_dirties_cuda_is_quarantined_and_not_retried(learn_site):
+    site, project, env, log = learn_site
+    session(project, env, "import dirty_learned, slow_a")
+    _, _, status = session(project, env, "pass")  # learns, preloads, finds the culprit, re-execs
+    learned = status["preload"]["learned"]
+    assert learned["quarantined"] == ["dirty_learned"]
+    assert "learned:dirty_learned" in status["preload"]["quarantined"]
+    assert not status["driver_initialized"]
+    imports_before = log.read_text().count("dirty_learned")
+    session(project, env, "pass")
+    assert log.read_text().count("dirty_learned") == imports_before  # never imported again
+
+
+def test_a_version_change_drops_the_profile(learn_site):
+    site, project, env, log = learn_site
+    session(project, env, "import slow_a")
+    _, _, status = session(project, env, "pass")
+    assert status["preload"]["learned"]["loaded"] >= 1
+    os.rename(site / "learnpkg-1.0.dist-info", site / "learnpkg-2.0.dist-info")
+    (site / "learnpkg-2.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: learnpkg\nVersion: 2.0\n")
+    _, _, status = session(project, env, "pass")
+    assert status["preload"]["learned"]["listed"] == 0
+
+
+def test_the_budget_holds(learn_site):
+    site, project, env, log = learn_site
+    session(project, env, "import slow_a, slow_b")
+    _, _, status = session(project, dict(env, PRELOAD_LAUNCHER_LEARN_BUDGET_S="0.3"), "pass")
+    learned = status["preload"]["learned"]
+    assert (learned["loaded"], learned["over_budget"]) == (1, 1)
+
+
+def test_learning_can_be_turned_off(learn_site):
+    site, project, env, log = learn_site
+    off = dict(env, PRELOAD_LAUNCHER_LEARN="0")
+    session(project, off, "import slow_a")
+    _, _, status = session(project, env, "pass")
+    assert status["preload"]["learned"]["listed"] == 0
+
+
+def test_pin_and_forget_from_the_cli(learn_site, monkeypatch, capsys):
+    from preload_launcher.cli import main as cli_main
+    site, project, env, log = learn_site
+    session(project, env, "import slow_a, slow_b")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cli_main(["learned", "--project", str(project), "--forget", "slow_b", "--pin", "json.tool"]) == 0
+    out = capsys.readouterr().out
+    assert "slow_a" in out and "forgotten: slow_b" in out and "pinned: json.tool" in out
+    _, _, status = session(project, env, "pass")
+    assert log.read_text().count("slow_b") == 1  # forgotten: never preloaded
+    assert log.read_text().count("slow_a") == 2
