@@ -15,6 +15,7 @@ Probes are pluggable (``PRELOAD_LAUNCHER_PROBE=fake``) so the logic is tested on
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import ctypes
 import hashlib
@@ -206,13 +207,28 @@ def cuda_safe_imports() -> Iterator[bool]:
 # ---------------------------------------------------------------- environment reads during import
 
 class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
-    """``os.environ`` that remembers which keys were looked up (get, [], in, getenv)."""
+    """``os.environ`` that remembers which keys were looked up one by one (get, [], in, getenv).
+
+    Copies and scans (``dict(os.environ)``, ``.items()``, ``.copy()``) read every key right after
+    iterating them, in order: those reads are not recorded, or every variable, down to
+    ``PYTEST_CURRENT_TEST``, would look import-relevant."""
 
     read_keys: set = set()
+    _scan: collections.deque = collections.deque()  # keys a scan is about to read, in order
+
+    def __iter__(self):
+        keys = list(super().__iter__())
+        _RecordingEnviron._scan = collections.deque(keys)
+        return iter(keys)
 
     def __getitem__(self, key):
-        if isinstance(key, str):
-            _RecordingEnviron.read_keys.add(key)
+        scan = _RecordingEnviron._scan
+        if scan and scan[0] == key:
+            scan.popleft()
+        else:
+            scan.clear()
+            if isinstance(key, str):
+                _RecordingEnviron.read_keys.add(key)
         return super().__getitem__(key)
 
 

@@ -174,3 +174,21 @@ def test_variables_set_by_preloaded_imports_are_seen_as_after_a_fresh_import(fak
         assert len(launcher.zygotes) == 2
     finally:
         launcher.close()
+
+
+def test_a_module_that_copies_the_environment_does_not_pin_every_variable(fake_site):
+    site, env, _ = fake_site
+    (site / "copies_env.py").write_text(
+        "import os\nSNAPSHOT = dict(os.environ)\nITEMS = list(os.environ.items())\n"
+        "FLAG = os.environ.get('COPIES_ENV_FLAG')\n")
+    launcher = Launcher(["copies_env"])
+    try:
+        for i in range(3):  # as PYTEST_CURRENT_TEST differs in every test
+            r = launcher.run([PY, "-c", "print(1)"], env=dict(env, UNRELATED_PER_TEST=str(i)))
+            assert r.via == "zygote"
+        assert len(launcher.zygotes) == 1
+        zygote = launcher.zygotes[0]
+        assert "COPIES_ENV_FLAG" in zygote.import_env  # the one read by name still counts
+        assert "UNRELATED_PER_TEST" not in zygote.import_env
+    finally:
+        launcher.close()
