@@ -167,13 +167,15 @@ class ZygoteProcess:
         if self._alive_w >= 0:
             os.close(self._alive_w)  # EOF on its alive pipe: the zygote exits
             self._alive_w = -1
+        clean = False
         if self.process is not None:
             try:
-                self.process.wait(timeout=5)
+                clean = self.process.wait(timeout=5) == 0
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for path in (self.socket_path,):
+        # A zygote that ended well leaves nothing behind; a failed one keeps its log.
+        for path in (self.socket_path, self.log_path) if clean else (self.socket_path,):
             try:
                 os.unlink(path)
             except FileNotFoundError:
