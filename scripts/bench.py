@@ -126,18 +126,20 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--scaling", action="store_true", help="also scale ranks 1..8")
     parser.add_argument("--only", default="", help="run only steps whose name contains this")
+    parser.add_argument("--preload", default=",".join(STACK), help="the zygote's preload list")
     args = parser.parse_args()
     gpus = gpu_count()
     machine = f"{platform.node()}: {os.cpu_count()} CPUs, {gpus} GPUs, Python {platform.python_version()}"
     print(f"# preload_launcher benchmark on {machine}; {args.steps} runs per step and way")
 
-    launcher = Launcher(STACK)
+    stack = args.preload.split(",")
+    launcher = Launcher(stack)
     start = time.perf_counter()
     zygote = launcher.zygote_for(dict(os.environ))
     preload_s = time.perf_counter() - start
     report = zygote.status["preload"]
     os.environ["PRELOAD_LAUNCHER_PREWARM"] = "1"
-    warm = Launcher(STACK)
+    warm = Launcher(stack)
     warm.zygote_for(dict(os.environ))
     os.environ.pop("PRELOAD_LAUNCHER_PREWARM")
     print(f"# zygote preload of {','.join(report['loaded'])}: {preload_s:.1f} s (paid once), "

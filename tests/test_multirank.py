@@ -29,6 +29,10 @@ def comparable(info):
     [TORCHRUN, "--nproc_per_node=2"],
     [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2"],
     [TORCHRUN, "--standalone", "--nnodes=1", "--nproc_per_node=2"],
+    [TORCHRUN, "--nnodes=1:1", "--node_rank=0", "--max_restarts=0", "--role", "trainer",
+     "--nproc-per-node=2"],
+    [TORCHRUN, "--nproc_per_node=2", "--run-path"],
+    [TORCHRUN, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nproc_per_node=2"],
 ])
 def test_rank_environment_matches_torchrun(torch_launcher, launch):
     args = launch + [program("rank_env.py"), "--x", "1"]
