@@ -14,10 +14,12 @@ import socket
 import sys
 import time
 import uuid
+from dataclasses import asdict
 from typing import Optional
 
 from . import protocol
-from .child import ZygoteState, die_with_parent, run_python_step
+from .child import (ZygoteState, attach_stdio, die_with_parent, reseed_random_generators,
+                    restore_signals, run_python_step, warm_cuda_context)
 from .command import PythonTarget, StepSpec, parse_python_argv
 from .preload import cuda_safe_imports, probe_from_env, torch_cuda_initialized
 from .result import RankFailure
@@ -145,7 +147,17 @@ def _parse(spec: StepSpec):
     return args, config, cmd, cmd_args
 
 
-def run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int) -> int:
+def run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int,
+              warm_ranks: Optional[dict[int, "RankHandle"]] = None) -> int:
+    """Serve one torchrun step; ``warm_ranks`` (local rank -> pre-forked rank) are used when
+    they fit the launch and released otherwise."""
+    try:
+        return _run_agent(spec, state, conn_fd, warm_ranks or {})
+    finally:
+        release_ranks(warm_ranks or {})
+
+
+def _run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int, warm_ranks: dict) -> int:
     try:
         args, config, cmd, cmd_args = _parse(spec)
     except SystemExit as exc:  # argparse already printed torchrun's usage error
@@ -173,11 +185,105 @@ def run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int) -> int:
         target = parse_python_argv([cmd, *cmd_args])
     protocol.send_event(conn_fd, "exec", t=time.time())
     os.close(conn_fd)
-    return Agent(spec, state, args, config, target).run()
+    if len(warm_ranks) != config.nproc_per_node:
+        release_ranks(warm_ranks)
+        warm_ranks.clear()
+    return Agent(spec, state, args, config, target, warm_ranks).run()
+
+
+class RankHandle:
+    """A forked rank waiting on ``sock`` for everything it needs to become its step's rank."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid, self.sock = pid, sock
+
+
+def fork_waiting_ranks(n: int, state: ZygoteState, warm_cuda: bool,
+                       close_fds: tuple[int, ...] = ()) -> dict[int, RankHandle]:
+    """Fork n ranks that wait for their orders (and, pre-warmed, first make their CUDA context)."""
+    ranks: dict[int, RankHandle] = {}
+    for rank in range(n):
+        agent_end, rank_end = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            agent_end.close()
+            for other in ranks.values():
+                other.sock.close()
+            for fd in close_fds:
+                os.close(fd)
+            become_rank(rank, rank_end, state, warm_cuda)
+        rank_end.close()
+        ranks[rank] = RankHandle(pid, agent_end)
+    return ranks
+
+
+def release_ranks(ranks: dict[int, RankHandle]) -> None:
+    """Waiting ranks that will not be used exit on EOF; reap them."""
+    for handle in ranks.values():
+        handle.sock.close()
+    for handle in ranks.values():
+        try:
+            os.waitpid(handle.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def become_rank(rank: int, sock: socket.socket, state: ZygoteState, warm_cuda: bool) -> None:
+    """A rank's life: (make the CUDA context,) wait for its orders, set up, run. Never returns."""
+    code = 1
+    try:
+        die_with_parent()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if warm_cuda:
+            warm_cuda_context(rank)
+        try:
+            orders, fds = protocol.recv_request_blocking(sock)
+        except (OSError, ValueError):
+            os._exit(0)  # released unused, or the agent gave up before the start
+        sock.close()
+        restore_signals(state.signal_handlers)
+        attach_stdio(*fds)
+        os.chdir(orders["cwd"])
+        os.environ.clear()
+        os.environ.update(orders["env"])
+        reseed_random_generators()
+        for fd, path in ((1, orders["stdout"]), (2, orders["stderr"])):
+            if path:  # --redirects/--tee: the rank writes to its log file ("" is the console)
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
+        run_python_step(PythonTarget(**orders["target"]), state, None)
+    finally:
+        os._exit(code)
+
+
+def wait_as_warm_agent(sock: socket.socket, state: ZygoteState, nproc: int) -> None:
+    """A pre-warmed agent: fork ``nproc`` ranks that make their CUDA contexts now, then wait
+    for one torchrun step; ranks that do not fit it are released. Never returns."""
+    from .child import become_step
+    code = 0
+    try:
+        die_with_parent()
+        ranks = fork_waiting_ranks(nproc, state, warm_cuda=True, close_fds=(sock.fileno(),))
+        try:
+            spec, fds = protocol.recv_request_blocking(sock)
+        except (OSError, ValueError):
+            release_ranks(ranks)
+            os._exit(0)
+        stdin_fd, out_fd, conn_fd = fds
+        state.zygote_fds = [sock.fileno()]
+        become_step(spec, [stdin_fd, out_fd], conn_fd, state, warm_ranks=ranks)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
 
 
 class Agent:
-    def __init__(self, spec: StepSpec, state: ZygoteState, args, config, target: PythonTarget):
+    def __init__(self, spec: StepSpec, state: ZygoteState, args, config, target: PythonTarget,
+                 warm_ranks: Optional[dict[int, RankHandle]] = None):
         self.spec = spec
         self.state = state
         self.args = args
@@ -189,8 +295,8 @@ class Agent:
             {r: {"TORCHELASTIC_RUN_ID": config.run_id, "TORCHELASTIC_RESTART_COUNT": "0"}
              for r in range(config.nproc_per_node)})
         self.tails: list = []
-        self.ranks: dict[int, int] = {}  # pid -> local rank
-        self.go_pipes: dict[int, int] = {}  # local rank -> write end
+        self.handles: dict[int, RankHandle] = dict(warm_ranks or {})  # local rank -> waiting rank
+        self.ranks: dict[int, int] = {}  # pid -> local rank, while running
         self.failures: dict[int, RankFailure] = {}
 
     def master(self) -> tuple[str, int]:
@@ -203,48 +309,15 @@ class Agent:
         host, _, port = (self.config.rdzv_endpoint or "localhost:0").rpartition(":")
         return host or "localhost", int(port or 0) or int(os.environ.get("MASTER_PORT", 0))
 
-    def fork_ranks(self) -> None:
-        for rank in range(self.config.nproc_per_node):
-            go_r, go_w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(go_w)
-                for fd in self.go_pipes.values():
-                    os.close(fd)
-                self._become_rank(rank, go_r)
-            os.close(go_r)
-            self.ranks[pid] = rank
-            self.go_pipes[rank] = go_w
-
-    def _become_rank(self, rank: int, go_r: int) -> None:
-        code = 1
-        try:
-            die_with_parent()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            message = b""
-            while not message.endswith(b"\n"):
-                chunk = os.read(go_r, 4096)
-                if not chunk:
-                    os._exit(1)  # the agent gave up before the start
-                message += chunk
-            os.close(go_r)
-            addr, port = message.decode().split()
-            env = rank_envs(self.config, addr, int(port), self.logs.error_files,
-                            dict(os.environ))[rank]
-            os.environ.clear()
-            os.environ.update(env)
-            self._redirect_output(rank)
-            run_python_step(self.target, self.state, None)
-        finally:
-            os._exit(code)
-
-    def _redirect_output(self, rank: int) -> None:
-        """--redirects/--tee/--local-ranks-filter: a rank writes to its log file or nowhere."""
-        for fd, path in ((1, self.logs.stdouts.get(rank, "")), (2, self.logs.stderrs.get(rank, ""))):
-            if path:  # "" means the console, as in torchrun
-                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-                os.dup2(target, fd)
-                os.close(target)
+    def send_orders(self, addr: str, port: int) -> None:
+        """Everything a rank needs: its env (torchrun's contract), cwd, target, log files, stdio."""
+        envs = rank_envs(self.config, addr, port, self.logs.error_files, dict(os.environ))
+        for rank, handle in self.handles.items():
+            orders = {"env": envs[rank], "cwd": os.getcwd(), "target": asdict(self.target),
+                      "stdout": self.logs.stdouts.get(rank, ""),
+                      "stderr": self.logs.stderrs.get(rank, "")}
+            protocol.send_request(handle.sock, orders, [0, 1])
+            handle.sock.close()
 
     def start_tails(self) -> None:
         """--tee: copy each rank's log to the step's output with torchrun's line prefix."""
@@ -275,7 +348,9 @@ class Agent:
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(signum, _raise_shutdown)
-        self.fork_ranks()
+        if not self.handles:
+            self.handles = fork_waiting_ranks(self.config.nproc_per_node, self.state, warm_cuda=False)
+        self.ranks = {h.pid: rank for rank, h in self.handles.items()}
         try:
             addr, port = self.master()
             try:
@@ -285,12 +360,9 @@ class Agent:
                       file=sys.stderr, flush=True)
                 self.terminate(signal.SIGKILL)
                 return 1
-            go = f"{addr} {store.port}\n".encode()
             self.start_tails()
-            for fd in self.go_pipes.values():
-                os.write(fd, go)
-                os.close(fd)
-            self.go_pipes.clear()
+            self.send_orders(addr, store.port)
+            self.handles.clear()
             self.wait_all()
         except _Shutdown as stop:
             self.terminate(signal.SIGTERM)

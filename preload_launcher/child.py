@@ -269,7 +269,8 @@ def exit_with(code: int) -> None:
     os._exit(code & 0xFF)
 
 
-def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteState) -> None:
+def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteState,
+                warm_ranks: Optional[dict] = None) -> None:
     """The child's whole life after fork: set up, report, run, exit. Never returns."""
     code = 1
     try:
@@ -283,7 +284,7 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteStat
             os._exit(255)
         if spec.torchrun_args is not None:
             from . import agent  # the multi-rank supervisor
-            code = agent.run_agent(spec, state, conn_fd)
+            code = agent.run_agent(spec, state, conn_fd, warm_ranks)
         else:
             run_python_step(spec.target, state, conn_fd)
     except BaseException:
@@ -305,8 +306,8 @@ def start_coverage_if_requested() -> None:
     coverage.process_startup()
 
 
-def warm_cuda_context() -> None:
-    """Make the CUDA context of the default device now, before a step needs it.
+def warm_cuda_context(device: int = 0) -> None:
+    """Make the CUDA context of ``device`` now, before a step needs it.
 
     Only the context: no tensor, so the allocator's statistics read as in a fresh process."""
     torch = sys.modules.get("torch")
@@ -315,9 +316,9 @@ def warm_cuda_context() -> None:
     try:
         import pynvml
         pynvml.nvmlInit()
-        if pynvml.nvmlDeviceGetCount() == 0:
+        if pynvml.nvmlDeviceGetCount() <= device:
             return
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(device)
     except Exception:
         pass  # no NVML or no GPU: the warm child still saves the fork
 

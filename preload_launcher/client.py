@@ -84,7 +84,8 @@ class ZygoteProcess:
         config = {"modules": self.modules, "listen_fd": listener.fileno(), "ready_fd": ready_w,
                   "alive_fd": alive_r, "cache_dir": self.cache_dir, "daemon": self.daemon,
                   "project": self.project, "learn": learn.learning_enabled(self.env),
-                  "prewarm": settings.prewarm_enabled(self.env)}
+                  "prewarm": settings.prewarm_enabled(self.env),
+                  "prewarm_ranks": settings.prewarm_ranks(self.env)}
         pass_fds = [fd for fd in (listener.fileno(), ready_w, alive_r) if fd >= 0]
         try:
             with open(self.log_path, "ab") as log:

@@ -47,6 +47,20 @@ def prewarm_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return False if value is None else _validate_bool(value, "PRELOAD_LAUNCHER_PREWARM environment variable")
 
 
+def prewarm_ranks(environ: Mapping[str, str] = os.environ) -> int:
+    """Ranks of the pre-warmed torchrun agent: ``PRELOAD_LAUNCHER_PREWARM_RANKS``, else the
+    number of GPUs NVML sees (0 without NVML: no pre-warmed agent)."""
+    value = environ.get("PRELOAD_LAUNCHER_PREWARM_RANKS")
+    if value is not None:
+        return int(value)
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+
+
 def preload_modules(explicit: Optional[str] = None, ini: Optional[str] = None,
                     environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """Precedence: explicit (CLI/argument) > env > ini > default."""

@@ -95,7 +95,7 @@ class Zygote:
         self.watch: Optional[StalenessWatch] = None
         self.env_set_by_preload: dict[str, str] = {}
         self.learn_reports_dir = ""
-        self.warm: Optional[WarmChild] = None
+        self.warm: dict[str, Optional[WarmChild]] = {}  # "python"/"torchrun" -> waiting child
         self.warm_served = 0
         self.restart_reason = ""
 
@@ -199,7 +199,9 @@ class Zygote:
             "torch_cuda_initialized": torch_cuda_initialized(),
             "modules": self.config["modules"], "daemon": bool(self.config.get("daemon")),
             "steps_pss_kb": sum(_tree_pss_kb(pid) for pid in self.steps),
-            "warm_pid": self.warm.pid if self.warm else None, "warm_served": self.warm_served,
+            "warm_pid": getattr(self.warm.get("python"), "pid", None),
+            "warm_agent_pid": getattr(self.warm.get("torchrun"), "pid", None),
+            "warm_served": self.warm_served,
             "stale": self.watch.changes() if self.watch else [],
         }
 
@@ -229,7 +231,7 @@ class Zygote:
             self.selector.register(self.alive_fd, selectors.EVENT_READ, "alive")
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(sig_r, selectors.EVENT_READ, "signal")
-        self.start_warm_child()
+        self.start_warm_children()
         while not self.stopping:
             for key, _ in self.selector.select():
                 if key.data == "accept":
@@ -317,7 +319,7 @@ class Zygote:
         conn.setblocking(False)
         protocol_send(conn, "started", pid=pid)
         self.selector.register(conn, selectors.EVENT_READ, step)
-        self.start_warm_child()
+        self.start_warm_children()
 
     def fork(self) -> int:
         """fork() with the step's own process group set on both sides (no race with killpg)."""
@@ -341,11 +343,19 @@ class Zygote:
 
     # -------------------------------------------------------------- pre-warmed children
 
-    def start_warm_child(self) -> None:
-        """Fork the next step's process ahead of time; it makes its CUDA context and waits."""
-        if (not self.config.get("prewarm") or self.warm is not None or self.stopping
-                or self.restart_reason or self.fork_refusal()):
+    def start_warm_children(self) -> None:
+        """Fork the next steps' processes ahead of time: one for a single-rank step and, with
+        ``prewarm_ranks``, an agent with its ranks for a torchrun step. Each makes its CUDA
+        context(s) and waits for one step."""
+        if (not self.config.get("prewarm") or self.stopping or self.restart_reason
+                or self.fork_refusal()):
             return
+        for kind in ("python", "torchrun"):
+            nproc = self.config.get("prewarm_ranks", 0) if kind == "torchrun" else 1
+            if self.warm.get(kind) is None and nproc > 0:
+                self.warm[kind] = self.fork_warm_child(kind, nproc)
+
+    def fork_warm_child(self, kind: str, nproc: int) -> "WarmChild":
         zygote_end, child_end = socket.socketpair()
         state = self.child_state()
         pid = self.fork()
@@ -357,17 +367,21 @@ class Zygote:
                 except OSError:
                     pass
             state.zygote_fds = []
+            if kind == "torchrun":
+                from .agent import wait_as_warm_agent
+                wait_as_warm_agent(child_end, state, nproc)
             wait_as_warm_child(child_end, state)
         child_end.close()
-        self.warm = WarmChild(pid, zygote_end, cuda_env(os.environ))
+        return WarmChild(pid, zygote_end, cuda_env(os.environ))
 
     def hand_to_warm_child(self, conn: socket.socket, spec: dict, fds: list[int]) -> Optional[int]:
-        """Give the step to the warm child when its CUDA-relevant environment matches; each
-        warm child serves one step. Returns its pid, or None to fork a fresh child."""
-        warm = self.warm
+        """Give the step to a warm child of its kind when its CUDA-relevant environment
+        matches; each serves one step. Returns its pid, or None to fork a fresh child."""
+        kind = "torchrun" if spec.get("torchrun_args") is not None else "python"
+        warm = self.warm.get(kind)
         if warm is None or cuda_env(spec.get("env") or {}) != warm.env:
             return None
-        self.warm = None
+        self.warm[kind] = None
         try:
             protocol.send_request(warm.sock, spec, [*fds, conn.fileno()])
         except OSError:
@@ -407,9 +421,10 @@ class Zygote:
             # The leader is a zombie: its group cannot be recycled yet, so this is safe.
             _killpg(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
-            if self.warm is not None and pid == self.warm.pid:
-                self.warm.sock.close()
-                self.warm = None
+            for kind, warm in self.warm.items():
+                if warm is not None and pid == warm.pid:
+                    warm.sock.close()
+                    self.warm[kind] = None
             step = self.steps.pop(pid, None)
             if step is None:
                 continue

@@ -55,3 +55,67 @@ def test_warm_children_look_like_fresh_interpreters(warm_launcher):
     ref = json.loads(plain(args, env=env).stdout)
     for key in ("argv", "path0", "main_keys", "signals", "mp_name", "env_keys", "cwd"):
         assert got[key] == ref[key], key
+
+
+TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
+
+
+@pytest.fixture
+def warm_torch_launcher(monkeypatch):
+    monkeypatch.setenv("PRELOAD_LAUNCHER_PREWARM", "1")
+    monkeypatch.setenv("PRELOAD_LAUNCHER_PREWARM_RANKS", "2")
+    launcher = Launcher(["torch"])
+    yield launcher
+    launcher.close()
+
+
+def rank_pids(output):
+    return sorted(int(l.split()[1]) for l in output.splitlines() if l.startswith("PID "))
+
+
+RANK_PID = ("import os, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "os.write(1, f\"PID {os.getpid()} {os.environ['RANK']} {os.environ['WORLD_SIZE']}\\n\".encode())\n"
+            "dist.destroy_process_group()\n")
+
+
+def test_a_prewarmed_agent_serves_one_matching_torchrun_step(warm_torch_launcher, tmp_path):
+    script = tmp_path / "rank_pid.py"
+    script.write_text(RANK_PID)
+    warm_torch_launcher.run([PY, "-c", "pass"])
+    first_agent = status(warm_torch_launcher)["warm_agent_pid"]
+    assert first_agent
+    served = status(warm_torch_launcher)["warm_served"]
+    result = warm_torch_launcher.run([TORCHRUN, "--nproc_per_node=2", str(script)], timeout=120)
+    assert result.returncode == 0, result.stdout
+    pids = rank_pids(result.stdout)
+    after = status(warm_torch_launcher)
+    assert after["warm_served"] == served + 1
+    assert after["warm_agent_pid"] not in (None, first_agent)  # replaced: one step each
+    # The ranks were forked before the step arrived: their pids sit right after the agent's.
+    assert all(first_agent < pid < first_agent + 16 for pid in pids), (first_agent, pids)
+
+
+def test_a_prewarmed_agent_with_other_rank_count_releases_its_ranks(warm_torch_launcher, tmp_path):
+    script = tmp_path / "rank_pid.py"
+    script.write_text(RANK_PID)
+    warm_torch_launcher.run([PY, "-c", "pass"])
+    result = warm_torch_launcher.run([TORCHRUN, "--nproc_per_node=3", str(script)], timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert len(rank_pids(result.stdout)) == 3
+    assert sorted(l.split()[2] for l in result.stdout.splitlines() if l.startswith("PID ")) == ["0", "1", "2"]
+
+
+def test_prewarmed_ranks_get_torchruns_environment(warm_torch_launcher):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    args = [TORCHRUN, "--nproc_per_node=2", program("rank_env.py")]
+    warm_torch_launcher.run([PY, "-c", "pass"], env=env)
+    ours = warm_torch_launcher.run(args, env=env, timeout=120)
+    theirs = plain(args, env=env, timeout=120)
+    assert status(warm_torch_launcher)["warm_served"] >= 2
+    from test_multirank import comparable, rank_infos
+    assert ours.returncode == theirs.returncode == 0
+    mine, ref = rank_infos(ours.stdout), rank_infos(theirs.stdout)
+    assert sorted(mine) == sorted(ref) == [0, 1]
+    for rank in (0, 1):
+        assert comparable(mine[rank]) == comparable(ref[rank])
