@@ -7,9 +7,7 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 
 import pytest

@@ -1,7 +1,6 @@
 """The same programs as plain subprocesses and through run(): every observation must agree."""
 import json
 import os
-import sys
 
 import pytest
 

@@ -2,12 +2,11 @@
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import PY, plain, program, wait_gone
+from conftest import PY, plain, program
 
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 VARYING = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}

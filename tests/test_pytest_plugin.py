@@ -1,7 +1,6 @@
 """The pytest plugin in real pytest sessions (pytester, each in its own process)."""
 import os
 import subprocess
-import sys
 import textwrap
 import time
 

@@ -1,6 +1,5 @@
 """The real CPU stack preloaded: torch + megatron.core + modelopt.torch, steps that use them."""
 import os
-import sys
 
 import pytest
 

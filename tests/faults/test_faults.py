@@ -2,7 +2,6 @@
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -10,7 +9,7 @@ import pytest
 
 from preload_launcher import Launcher, LauncherError, ZygoteProcess
 
-from conftest import PY, pid_alive, plain, program, wait_gone
+from conftest import PY, plain, program, wait_gone
 
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 

@@ -1,11 +1,8 @@
 """A megatron-core step on gloo: parallel state, a tensor-parallel layer, an all-reduce."""
-import os
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 dist.init_process_group("gloo")

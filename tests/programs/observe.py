@@ -38,7 +38,7 @@ obs = {
     "stdio_buffering": [(s.line_buffering, s.write_through) for s in (sys.stdout, sys.stderr)],
     "stdout_encoding": sys.stdout.encoding,
     "random": random.random(),
-    "stdin_readable": os.path.exists(f"/proc/self/fd/0"),
+    "stdin_readable": os.path.exists("/proc/self/fd/0"),
     "warnoptions": sys.warnoptions,
     "dont_write_bytecode": sys.dont_write_bytecode,
 }
