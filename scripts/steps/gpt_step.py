@@ -20,7 +20,7 @@ world = dist.get_world_size()
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
 if cuda:
     model_parallel_cuda_manual_seed(123)
-config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4,
+config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=8 if world > 4 else 4,
                            use_cpu_initialization=True, pipeline_dtype=torch.float32,
                            tensor_model_parallel_size=world)
 device = "cuda" if cuda else "cpu"
