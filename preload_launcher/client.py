@@ -383,8 +383,8 @@ class Launcher:
 
     # -------------------------------------------------------------- run
 
-    def run(self, args, *, cwd=None, env=None, timeout=None, check=False, echo=False,
-            input=None) -> StepResult:
+    def run(self, args, *, cwd=None, env=None, timeout=None, check=False,
+            echo=False) -> StepResult:
         """Like ``subprocess.run(args, cwd=, env=, timeout=, check=, stdout=PIPE, stderr=STDOUT,
         text=True)``, served by a forked child of a preloaded zygote when the command allows."""
         args = _check_args(args)
