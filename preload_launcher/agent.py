@@ -21,7 +21,7 @@ from . import protocol
 from .child import (ZygoteState, attach_stdio, die_with_parent, reseed_random_generators,
                     restore_signals, run_python_step, warm_cuda_context)
 from .command import PythonTarget, StepSpec, parse_python_argv
-from .preload import cuda_safe_imports, probe_from_env, torch_cuda_initialized
+from .preload import cuda_safe_imports, nvml_device_count, probe_from_env, torch_cuda_initialized
 from .result import RankFailure
 
 __all__ = ["run_agent", "rank_envs", "unsupported_reason"]
@@ -45,15 +45,7 @@ def resolve_nproc(value: str) -> Optional[str]:
     """``gpu``/``auto`` counted through NVML, never through a CUDA context; None if unknowable."""
     if value not in ("gpu", "auto"):
         return value
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            count = min(count, len([v for v in visible.split(",") if v.strip()]))
-    except Exception:
-        count = 0
+    count = nvml_device_count()
     if count > 0:
         return str(count)
     return str(os.cpu_count() or 1) if value == "auto" else None

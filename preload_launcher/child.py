@@ -313,14 +313,13 @@ def warm_cuda_context(device: int = 0) -> None:
     torch = sys.modules.get("torch")
     if torch is None or os.environ.get("PRELOAD_LAUNCHER_PREWARM_CUDA", "1") == "0":
         return
+    from .preload import nvml_device_count
+    if nvml_device_count() <= device:
+        return  # no NVML or no such GPU: the warm child still saves the fork
     try:
-        import pynvml
-        pynvml.nvmlInit()
-        if pynvml.nvmlDeviceGetCount() <= device:
-            return
         torch.cuda.set_device(device)
     except Exception:
-        pass  # no NVML or no GPU: the warm child still saves the fork
+        pass
 
 
 def wait_as_warm_child(sock, state: ZygoteState) -> None:

@@ -119,6 +119,24 @@ def native_threads() -> dict[str, int]:
 
 # ---------------------------------------------------------------- NVML answers during import
 
+def visible_count(count: int, environ=os.environ) -> int:
+    """Of ``count`` physical GPUs, how many ``CUDA_VISIBLE_DEVICES`` leaves visible."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return count
+    return min(count, len([v for v in visible.split(",") if v.strip()]))
+
+
+def nvml_device_count(environ=os.environ) -> int:
+    """Visible GPUs counted through NVML, never through CUDA (0 without NVML or GPUs)."""
+    try:
+        import pynvml  # provided by nvidia-ml-py
+        pynvml.nvmlInit()
+        return visible_count(pynvml.nvmlDeviceGetCount(), environ)
+    except Exception:
+        return 0
+
+
 def _nvml_device_answers():
     """Replacement ``torch.cuda`` query functions backed by NVML, or None without NVML."""
     try:
@@ -158,10 +176,7 @@ def _nvml_device_answers():
             self.total_memory = pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total
 
     def device_count():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            return len([v for v in visible.split(",") if v.strip()]) if visible.strip() else 0
-        return count
+        return visible_count(count)
 
     return {
         "get_device_capability": get_device_capability,

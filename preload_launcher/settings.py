@@ -53,12 +53,8 @@ def prewarm_ranks(environ: Mapping[str, str] = os.environ) -> int:
     value = environ.get("PRELOAD_LAUNCHER_PREWARM_RANKS")
     if value is not None:
         return int(value)
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetCount())
-    except Exception:
-        return 0
+    from .preload import nvml_device_count
+    return nvml_device_count(environ)
 
 
 def preload_modules(explicit: Optional[str] = None, ini: Optional[str] = None,
