@@ -9,6 +9,7 @@ rank is forked from a single-threaded process.
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import socket
 import sys
@@ -18,8 +19,9 @@ from dataclasses import asdict
 from typing import Optional
 
 from . import protocol
-from .child import (ZygoteState, attach_stdio, die_with_parent, reseed_random_generators,
-                    restore_signals, run_python_step, warm_cuda_context)
+from .child import (ZygoteState, attach_stdio, die_with_parent, keep_for_exit_report,
+                    report_exit, reseed_random_generators, restore_signals, run_python_step,
+                    warm_cuda_context)
 from .command import PythonTarget, StepSpec, parse_python_argv
 from .preload import cuda_safe_imports, nvml_device_count, probe_from_env, torch_cuda_initialized
 from .result import RankFailure
@@ -176,11 +178,14 @@ def _run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int, warm_ranks: dic
     else:
         target = parse_python_argv([cmd, *cmd_args])
     protocol.send_event(conn_fd, "exec", t=time.time())
-    os.close(conn_fd)
+    keep_for_exit_report(conn_fd)
     if len(warm_ranks) != config.nproc_per_node:
         release_ranks(warm_ranks)
         warm_ranks.clear()
-    return Agent(spec, state, args, config, target, warm_ranks).run()
+    agent = Agent(spec, state, args, config, target, warm_ranks)
+    code = agent.run()
+    agent.finish(code)
+    return code
 
 
 class RankHandle:
@@ -232,7 +237,7 @@ def become_rank(rank: int, sock: socket.socket, state: ZygoteState, warm_cuda: b
             orders, fds = protocol.recv_request_blocking(sock)
         except (OSError, ValueError):
             os._exit(0)  # released unused, or the agent gave up before the start
-        sock.close()
+        keep_for_exit_report(sock.detach())  # the rank reports its exit code to the agent
         restore_signals(state.signal_handlers)
         attach_stdio(*fds)
         os.chdir(orders["cwd"])
@@ -288,7 +293,9 @@ class Agent:
              for r in range(config.nproc_per_node)})
         self.tails: list = []
         self.handles: dict[int, RankHandle] = dict(warm_ranks or {})  # local rank -> waiting rank
-        self.ranks: dict[int, int] = {}  # pid -> local rank, while running
+        self.ranks: dict[int, int] = {}  # pid -> local rank, until its exit code is known
+        self.alive: set[int] = set()  # rank pids not reaped yet (a rank reports, then exits)
+        self.reports: dict[int, socket.socket] = {}  # pid -> where the rank reports its code
         self.failures: dict[int, RankFailure] = {}
 
     def master(self) -> tuple[str, int]:
@@ -309,7 +316,7 @@ class Agent:
                       "stdout": self.logs.stdouts.get(rank, ""),
                       "stderr": self.logs.stderrs.get(rank, "")}
             protocol.send_request(handle.sock, orders, [0, 1])
-            handle.sock.close()
+            self.reports[handle.pid] = handle.sock
 
     def start_tails(self) -> None:
         """--tee: copy each rank's log to the step's output with torchrun's line prefix."""
@@ -343,6 +350,7 @@ class Agent:
         if not self.handles:
             self.handles = fork_waiting_ranks(self.config.nproc_per_node, self.state, warm_cuda=False)
         self.ranks = {h.pid: rank for rank, h in self.handles.items()}
+        self.alive = set(self.ranks)
         try:
             addr, port = self.master()
             try:
@@ -369,17 +377,67 @@ class Agent:
         return 0
 
     def wait_all(self) -> None:
-        """Reap ranks; the first failure stops the others (all-or-nothing)."""
-        while self.ranks:
-            pid, status = os.wait()
-            rank = self.ranks.pop(pid, None)
-            if rank is None:
+        """Collect each rank's exit code, from its report or else its exit status; the first
+        failure stops the others (all-or-nothing)."""
+        wakeup_r, wakeup_w = os.pipe()
+        os.set_blocking(wakeup_r, False)
+        os.set_blocking(wakeup_w, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd
+        previous = signal.set_wakeup_fd(wakeup_w)
+        selector = selectors.DefaultSelector()
+        selector.register(wakeup_r, selectors.EVENT_READ, None)
+        for pid, sock in self.reports.items():
+            selector.register(sock, selectors.EVENT_READ, pid)
+        try:
+            while self.ranks:
+                for pid, code in self.reaped() + self.reported(selector):
+                    rank = self.ranks.pop(pid, None)
+                    if rank is not None and code != 0:
+                        self.record_failure(rank, pid, code)
+                        self.terminate(signal.SIGTERM)
+                        return
+                if self.ranks:
+                    for key, _ in selector.select():
+                        if key.data is None:
+                            _drain(wakeup_r)
+        finally:
+            signal.set_wakeup_fd(previous)
+            selector.close()
+            os.close(wakeup_r)
+            os.close(wakeup_w)
+
+    def reaped(self) -> list[tuple[int, int]]:
+        """(pid, exit code) of ranks that exited since the last call."""
+        done = []
+        while self.alive:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in self.alive:
+                self.alive.discard(pid)
+                done.append((pid, os.waitstatus_to_exitcode(status)))
+        return done
+
+    def reported(self, selector: selectors.BaseSelector) -> list[tuple[int, int]]:
+        """(pid, exit code) that ranks reported before exiting."""
+        done = []
+        for key, _ in selector.select(0):
+            if key.data is None:
                 continue
-            code = os.waitstatus_to_exitcode(status)
-            if code != 0:
-                self.record_failure(rank, pid, code)
-                self.terminate(signal.SIGTERM)
-                return
+            try:
+                data = key.fileobj.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                selector.unregister(key.fileobj)
+                continue
+            for event in protocol.EventReader().feed(data):
+                if event.get("event") == "exit":
+                    done.append((key.data, int(event["returncode"])))
+        return done
 
     def record_failure(self, rank: int, pid: int, code: int) -> None:
         self.failures[rank] = RankFailure(rank=rank, local_rank=rank, pid=pid, exitcode=code,
@@ -391,25 +449,33 @@ class Agent:
         for pid in self.ranks:
             _kill(pid, signum)
         deadline = time.monotonic() + self.spec.grace_s
-        while self.ranks and time.monotonic() < deadline:
+        while set(self.ranks) & self.alive and time.monotonic() < deadline:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
+                if not self.reaped():
+                    time.sleep(0.05)
             except _Shutdown:
                 break
-            if pid == 0:
-                time.sleep(0.05)
-                continue
-            self.ranks.pop(pid, None)
         for pid in self.ranks:
             _kill(pid, signal.SIGKILL)
-        for pid in list(self.ranks):
+        self.ranks.clear()
+
+    def finish(self, code: int) -> None:
+        """Report the step's exit code, then wait for the ranks' processes to be gone: their
+        CUDA teardown is off the caller's path, and no rank outlives its agent."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        report_exit(code)
+        for sock in self.reports.values():
+            sock.close()
+        for pid in list(self.alive):
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
-        self.ranks.clear()
+        self.alive.clear()
 
     def report_failures(self) -> None:
         """Print torchrun's failure summary, root cause first, through its own formatter."""
@@ -426,6 +492,14 @@ class Agent:
         sys.stdout.flush()
         print(f"{type(error).__module__}.{type(error).__name__}: \n{error.format_msg()}",
               file=sys.stderr, flush=True)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _kill(pid: int, signum: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
+import fcntl
 import importlib.machinery
 import os
 import signal
@@ -29,6 +30,9 @@ from .command import PythonTarget, StepSpec
 __all__ = ["ZygoteState", "become_step", "prepare_process", "run_target", "finish"]
 
 PR_SET_PDEATHSIG = 1
+REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
+
+_report_fd: Optional[int] = None  # where this process reports its exit code (see report_exit)
 
 
 @dataclass
@@ -235,8 +239,50 @@ def _system_exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def keep_for_exit_report(fd: int) -> None:
+    """Keep ``fd`` (the caller's connection, or a rank's line to its agent) to report the exit
+    code on: moved out of the program's way and closed on exec, so spawned programs lack it."""
+    global _report_fd
+    _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, REPORT_FD_MIN)
+    os.close(fd)
+
+
+def report_exit(code: int) -> None:
+    """Report the exit code now, before the kernel tears the process down (with a CUDA context,
+    ~0.2 s the caller need not wait for). The step's output is closed first, so the caller has
+    all of it once the report arrives. A process that dies without reporting is reported by
+    whoever reaps it."""
+    global _report_fd
+    if _report_fd is None:
+        return
+    fd, _report_fd = _report_fd, None
+    close_step_output(keep=fd)
+    protocol.send_event(fd, "exit", returncode=code)
+    os.close(fd)
+
+
+def close_step_output(keep: int) -> None:
+    """Close fds 0-2 and every other fd on the same pipes, so the reader sees EOF now."""
+    pipes = set()
+    for fd in (0, 1, 2):
+        try:
+            st = os.fstat(fd)
+            pipes.add((st.st_dev, st.st_ino))
+            os.close(fd)
+        except OSError:
+            pass
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if fd != keep and (st.st_dev, st.st_ino) in pipes:
+            os.close(fd)
+
+
 def finish(code: int) -> None:
-    """Python's shutdown minus module teardown: join threads, atexit, flush, then _exit."""
+    """Python's shutdown minus module teardown: join threads, atexit, flush, report, _exit."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:
@@ -249,6 +295,7 @@ def finish(code: int) -> None:
         except BaseException:
             if code == 0:
                 code = 120  # what python exits with when flushing stdout fails
+    report_exit(code)
     exit_with(code)
 
 
@@ -350,7 +397,7 @@ def run_python_step(target: PythonTarget, state: ZygoteState, conn_fd: Optional[
     sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)
     if conn_fd is not None:
         protocol.send_event(conn_fd, "exec", t=time.time())
-        os.close(conn_fd)
+        keep_for_exit_report(conn_fd)
     modules_before = set(sys.modules)
     code = run_target(target)
     learn.report_step_imports(modules_before, state.learn_reports_dir, state.project)

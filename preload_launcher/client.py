@@ -296,7 +296,9 @@ class _StepWait:
                 self.events["zygote_lost"] = {}
             return
         for event in self._reader.feed(data):
-            self.events[event["event"]] = event
+            # The first report wins: a step reports its exit before its process is torn down,
+            # and the zygote reports it again when it reaps the process.
+            self.events.setdefault(event["event"], event)
 
     def send_signal(self, signum: int) -> None:
         try:
