@@ -21,7 +21,7 @@ from typing import Optional
 from . import protocol
 from .child import (ZygoteState, attach_stdio, die_with_parent, keep_for_exit_report,
                     report_exit, reseed_random_generators, restore_signals, run_python_step,
-                    warm_cuda_context)
+                    use_spawn_proxy, warm_cuda_context)
 from .command import PythonTarget, StepSpec, parse_python_argv
 from .preload import cuda_safe_imports, nvml_device_count, probe_from_env, torch_cuda_initialized
 from .result import RankFailure
@@ -244,6 +244,7 @@ def become_rank(rank: int, sock: socket.socket, state: ZygoteState, warm_cuda: b
         os.environ.clear()
         os.environ.update(orders["env"])
         reseed_random_generators()
+        use_spawn_proxy(state.spawn_executable)
         for fd, path in ((1, orders["stdout"]), (2, orders["stderr"])):
             if path:  # --redirects/--tee: the rank writes to its log file ("" is the console)
                 target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
@@ -267,9 +268,9 @@ def wait_as_warm_agent(sock: socket.socket, state: ZygoteState, nproc: int) -> N
         except (OSError, ValueError):
             release_ranks(ranks)
             os._exit(0)
-        stdin_fd, out_fd, conn_fd = fds
+        *step_fds, conn_fd = fds
         state.zygote_fds = [sock.fileno()]
-        become_step(spec, [stdin_fd, out_fd], conn_fd, state, warm_ranks=ranks)
+        become_step(spec, step_fds, conn_fd, state, warm_ranks=ranks)
     except BaseException:
         import traceback
         traceback.print_exc()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import learn, protocol
-from .command import PythonTarget, StepSpec
+from .command import PythonTarget, StepSpec, Unsupported, parse_python_argv
 
 __all__ = ["ZygoteState", "become_step", "prepare_process", "run_target", "finish"]
 
@@ -46,6 +46,7 @@ class ZygoteState:
     env_set_by_preload: dict[str, str] = field(default_factory=dict)
     learn_reports_dir: str = ""  # where a step reports the modules it imported ("" = off)
     project: str = ""
+    spawn_executable: str = ""  # the spawn proxy multiprocessing runs instead of python
 
 
 def die_with_parent() -> None:
@@ -66,21 +67,35 @@ def restore_signals(handlers: dict[int, object]) -> None:
             pass
 
 
-def attach_stdio(stdin_fd: int, out_fd: int) -> None:
-    """Point fds 0, 1, 2 at the step's stdin and output, keeping the Python stream objects.
-
-    Loggers created during preload hold ``sys.stderr``; keeping the objects keeps them valid.
-    """
+def attach_fds(fds: list[int], targets: list[int]) -> None:
+    """Install received fds at the numbers the program expects (``targets``; 0-2 are stdio),
+    keeping the Python stream objects: loggers created during preload hold ``sys.stderr``."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os.dup2(stdin_fd, 0)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    for fd in {stdin_fd, out_fd} - {0, 1, 2}:
+    # Out of the way first: a received fd may sit on another one's target number.
+    floor = max([*fds, *targets]) + 1
+    parked = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in fds]
+    for fd in set(fds):
         os.close(fd)
+    for fd, target in zip(parked, targets):
+        os.dup2(fd, target)
+    for fd in parked:
+        os.close(fd)
+
+
+def attach_stdio(stdin_fd: int, out_fd: int) -> None:
+    """Point fds 0, 1, 2 at the step's stdin and its output (stdout and stderr interleaved)."""
+    attach_fds([stdin_fd, out_fd, out_fd], [0, 1, 2])
+
+
+def use_spawn_proxy(executable: str) -> None:
+    """Interpreters this step's multiprocessing starts are forked by the zygote (spawn_proxy)."""
+    if executable and os.environ.get("PRELOAD_LAUNCHER_SPAWN", "1") != "0":
+        import multiprocessing.spawn
+        multiprocessing.spawn.set_executable(executable)
 
 
 def configure_stdio(target: PythonTarget, env: dict[str, str]) -> None:
@@ -132,7 +147,7 @@ def coerce_c_locale() -> None:
         env["LC_CTYPE"] = "C.UTF-8"
 
 
-def prepare_process(spec: StepSpec, state: ZygoteState, stdin_fd: int, out_fd: int) -> None:
+def prepare_process(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
     """Everything between fork and user code; raises OSError for cwd/stdio problems."""
     die_with_parent()
     restore_signals(state.signal_handlers)
@@ -141,7 +156,10 @@ def prepare_process(spec: StepSpec, state: ZygoteState, stdin_fd: int, out_fd: i
             os.close(fd)
         except OSError:
             pass
-    attach_stdio(stdin_fd, out_fd)
+    if spec.fd_targets:
+        attach_fds(fds, spec.fd_targets)
+    else:
+        attach_stdio(*fds)
     os.environ.clear()
     os.environ.update(spec.env)
     for key, value in state.env_set_by_preload.items():
@@ -149,6 +167,7 @@ def prepare_process(spec: StepSpec, state: ZygoteState, stdin_fd: int, out_fd: i
     coerce_c_locale()
     os.chdir(spec.cwd)
     reseed_random_generators()
+    use_spawn_proxy(state.spawn_executable)
 
 
 def _path0(target: PythonTarget) -> Optional[str]:
@@ -322,9 +341,12 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteStat
     code = 1
     try:
         spec = StepSpec.from_json_dict(spec_data)
-        stdin_fd, out_fd = fds
+        # Above every fd number the program gets, so installing those cannot replace it.
+        floor = max([REPORT_FD_MIN, *(spec.fd_targets or [])]) + 1
+        conn_fd, old_conn_fd = fcntl.fcntl(conn_fd, fcntl.F_DUPFD_CLOEXEC, floor), conn_fd
+        os.close(old_conn_fd)
         try:
-            prepare_process(spec, state, stdin_fd, out_fd)
+            prepare_process(spec, state, fds)
         except OSError as err:
             protocol.send_event(conn_fd, "error", type=type(err).__name__, errno=err.errno,
                                 strerror=err.strerror, filename=err.filename)
@@ -332,6 +354,12 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: ZygoteStat
         if spec.torchrun_args is not None:
             from . import agent  # the multi-rank supervisor
             code = agent.run_agent(spec, state, conn_fd, warm_ranks)
+        elif spec.target is None:  # a spawned interpreter's raw command line
+            target = parse_python_argv(spec.args)
+            if isinstance(target, Unsupported):
+                protocol.send_event(conn_fd, "fallback", reason=target.reason, retire=False)
+                os._exit(0)
+            run_python_step(target, state, conn_fd)
         else:
             run_python_step(spec.target, state, conn_fd)
     except BaseException:
@@ -379,9 +407,9 @@ def wait_as_warm_child(sock, state: ZygoteState) -> None:
             spec, fds = protocol.recv_request_blocking(sock)
         except (OSError, ValueError):
             os._exit(0)  # the zygote went away or restarted: nothing to serve
-        stdin_fd, out_fd, conn_fd = fds
+        *step_fds, conn_fd = fds
         state.zygote_fds = [sock.fileno()]
-        become_step(spec, [stdin_fd, out_fd], conn_fd, state)
+        become_step(spec, step_fds, conn_fd, state)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -82,6 +82,7 @@ class ZygoteProcess:
         ready_r, ready_w = os.pipe()
         alive_r, alive_w = (-1, -1) if self.daemon else os.pipe()
         config = {"modules": self.modules, "listen_fd": listener.fileno(), "ready_fd": ready_w,
+                  "socket_path": self.socket_path,
                   "alive_fd": alive_r, "cache_dir": self.cache_dir, "daemon": self.daemon,
                   "project": self.project, "learn": learn.learning_enabled(self.env),
                   "prewarm": settings.prewarm_enabled(self.env),
@@ -176,7 +177,9 @@ class ZygoteProcess:
                 self.process.kill()
                 self.process.wait()
         # A zygote that ended well leaves nothing behind; a failed one keeps its log.
-        for path in (self.socket_path, self.log_path) if clean else (self.socket_path,):
+        spawn_proxy = self.socket_path[:-5] + ".python"
+        for path in (self.socket_path, spawn_proxy, self.log_path) if clean \
+                else (self.socket_path, spawn_proxy):
             try:
                 os.unlink(path)
             except FileNotFoundError:

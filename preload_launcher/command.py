@@ -45,6 +45,8 @@ class StepSpec:
     target: Optional[PythonTarget] = None  # single-rank python step
     torchrun_args: Optional[list[str]] = None  # multi-rank step: torchrun's own arguments
     grace_s: float = 30.0  # SIGTERM -> SIGKILL grace for sibling ranks (torchrun's default)
+    spawned: bool = False  # an interpreter a step's multiprocessing started (spawn_proxy)
+    fd_targets: Optional[list[int]] = None  # where the passed fds go; default stdin, output
 
     def to_json_dict(self) -> dict:
         return asdict(self)

@@ -74,7 +74,7 @@ def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
             time.sleep(0.05)
         if _pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
-    for path in (sock, meta_path):
+    for path in (sock, meta_path, sock[:-5] + ".python"):
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -19,7 +19,7 @@ __all__ = ["MAX_FRAME", "send_request", "recv_request", "send_event", "EventRead
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 256 * 1024 * 1024  # argv + env; far above what exec() itself accepts
-MAX_FDS = 4
+MAX_FDS = 32  # stdio, the caller's connection, and fds a spawning process passes
 
 
 class ProtocolError(ValueError):

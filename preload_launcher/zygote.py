@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Optional
 
-from . import learn, protocol
+from . import learn, protocol, spawn_proxy
 from .child import ZygoteState, become_step, wait_as_warm_child
 from .settings import IMPORT_ENV_KEYS
 from .preload import (PreloadReport, VerdictCache, native_threads, package_fingerprint, preload,
@@ -98,6 +98,7 @@ class Zygote:
         self.warm: dict[str, Optional[WarmChild]] = {}  # "python"/"torchrun" -> waiting child
         self.warm_served = 0
         self.restart_reason = ""
+        self.spawn_executable = ""
 
     # -------------------------------------------------------------- start-up
 
@@ -177,6 +178,19 @@ class Zygote:
                 continue
             if handler is not None:
                 self.signal_handlers[signum] = handler
+
+    def install_spawn_proxy(self) -> None:
+        """Write the executable a step's multiprocessing runs instead of python."""
+        socket_path = self.config.get("socket_path")
+        if not socket_path:
+            return
+        path = socket_path[:-len(".sock")] + ".python"
+        try:
+            if spawn_proxy.write_executable(path, socket_path):
+                self.spawn_executable = path
+                import multiprocessing.spawn  # noqa: F401  (preloaded for the children)
+        except OSError as err:
+            say("spawned interpreters will not be served: %s", err)
 
     def announce_ready(self) -> None:
         self.watch = StalenessWatch() if self.config.get("daemon") else None
@@ -274,7 +288,7 @@ class Zygote:
             conn.close()
             return
         op = request.get("op")
-        if op == "step" and len(fds) == 2 and isinstance(request.get("spec"), dict):
+        if op == "step" and len(fds) >= 2 and isinstance(request.get("spec"), dict):
             self.fork_step(conn, request["spec"], fds)
             return
         for fd in fds:
@@ -339,7 +353,7 @@ class Zygote:
         others = [s.conn.fileno() for s in self.steps.values()]
         return ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others,
                            self.env_set_by_preload, self.learn_reports_dir,
-                           self.config.get("project", ""))
+                           self.config.get("project", ""), self.spawn_executable)
 
     # -------------------------------------------------------------- pre-warmed children
 
@@ -379,7 +393,7 @@ class Zygote:
         matches; each serves one step. Returns its pid, or None to fork a fresh child."""
         kind = "torchrun" if spec.get("torchrun_args") is not None else "python"
         warm = self.warm.get(kind)
-        if warm is None or cuda_env(spec.get("env") or {}) != warm.env:
+        if warm is None or spec.get("spawned") or cuda_env(spec.get("env") or {}) != warm.env:
             return None
         self.warm[kind] = None
         try:
@@ -562,6 +576,7 @@ def main(config_json: str, base_path: list[str]) -> None:
     zygote = Zygote(config, base_path)
     zygote.run_preload()
     zygote.snapshot_signals()  # after preload: handlers that imports install are kept
+    zygote.install_spawn_proxy()
     skip_exit_only_finalizers()
     gc.collect()
     gc.freeze()  # children never touch (and copy) the preloaded objects' pages in GC
