@@ -384,17 +384,49 @@ def start_coverage_if_requested() -> None:
 def warm_cuda_context(device: int = 0) -> None:
     """Make the CUDA context of ``device`` now, before a step needs it.
 
-    Only the context: no tensor, so the allocator's statistics read as in a fresh process."""
+    ``PRELOAD_LAUNCHER_PREWARM_CUDA``: ``context`` (the default) makes only the context, so the
+    allocator reads as in a fresh process; ``kernels`` also pays the per-process first uses
+    (see ``warm_first_use``); ``0`` makes nothing (the warm child still saves the fork)."""
     torch = sys.modules.get("torch")
-    if torch is None or os.environ.get("PRELOAD_LAUNCHER_PREWARM_CUDA", "1") == "0":
+    level = os.environ.get("PRELOAD_LAUNCHER_PREWARM_CUDA", "context")
+    if torch is None or level == "0":
         return
     from .preload import nvml_device_count
     if nvml_device_count() <= device:
-        return  # no NVML or no such GPU: the warm child still saves the fork
+        return  # no NVML or no such GPU
     try:
         torch.cuda.set_device(device)
+        if level == "kernels":
+            warm_first_use(torch, device)
     except Exception:
-        pass
+        traceback.print_exc()
+
+
+def warm_first_use(torch, device: int) -> None:
+    """The first uses a step would otherwise pay on its critical path: cuBLAS/cuBLASLt handles
+    and the lazily loaded kernels of a small transformer-like forward, backward and Adam step
+    (fp32 and bf16). Nothing random is drawn; afterwards the allocator is emptied and its
+    statistics reset, so memory counters read as in a fresh process."""
+    import torch.nn.functional as F
+    with torch.cuda.device(device):
+        for dtype in (torch.float32, torch.bfloat16):
+            weight = torch.ones(256, 256, device=device, dtype=dtype, requires_grad=True)
+            table = torch.ones(64, 256, device=device, dtype=dtype, requires_grad=True)
+            tokens = torch.arange(32, device=device) % 64
+            x = F.embedding(tokens, table)
+            x = F.layer_norm(x, (256,))
+            x = F.gelu(x @ weight)
+            x = torch.softmax(x.float(), dim=-1).to(dtype) @ weight.t()
+            loss = F.cross_entropy(x.float()[:, :64], tokens)
+            loss.backward()
+            optimizer = torch.optim.Adam([weight, table], lr=1e-3)
+            optimizer.step()
+            del weight, table, tokens, x, loss, optimizer
+        torch.cuda.synchronize(device)
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
 
 
 def wait_as_warm_child(sock, state: ZygoteState) -> None:

@@ -4,7 +4,10 @@
    (CUDA context made ahead), medians of --reps;
 2. learned preload: `scripts/steps/hf_step.py` (transformers & co.) through run() twice, with a
    fresh zygote in between; the step's own import time before and after learning;
-3. torchrun GPT steps (1 GPU and all GPUs): cold agent vs a pre-warmed agent and ranks.
+3. torchrun GPT steps (1 GPU and all GPUs): cold agent vs a pre-warmed agent and ranks
+   (``PRELOAD_LAUNCHER_PREWARM_CUDA=context``, and ``kernels`` with --kernels);
+4. memstats: what a step observes of CUDA memory at its start and after a first matmul, as a
+   plain subprocess, a cold forked child and pre-warmed children (context, kernels).
 
     python scripts/gpu_extra.py [--reps 3]
 """
@@ -91,32 +94,82 @@ def prewarm_torchrun(reps):
                os.path.join(STEPS, "gpt_step.py")]
         cold = Launcher(BASE)
         cold.zygote_for(dict(os.environ))
-        os.environ.update(PRELOAD_LAUNCHER_PREWARM="1", PRELOAD_LAUNCHER_PREWARM_RANKS=str(n))
-        warm = Launcher(BASE)
-        warm.zygote_for(dict(os.environ))
-        time.sleep(3)
-        c = timed_runs(cold, cmd, reps)
-        w = []
-        for _ in range(reps):
-            w += timed_runs(warm, cmd, 1)
-            time.sleep(3)  # the next agent's ranks make their contexts off the critical path
-        served = warm.zygotes[0].request("status")["warm_served"]
-        for name, runs in (("cold", c), ("pre-warmed", w)):
+        results = {"cold": timed_runs(cold, cmd, reps)}
+        for level in LEVELS:
+            os.environ.update(PRELOAD_LAUNCHER_PREWARM="1", PRELOAD_LAUNCHER_PREWARM_RANKS=str(n),
+                              PRELOAD_LAUNCHER_PREWARM_CUDA=level)
+            warm = Launcher(BASE)
+            warm.zygote_for(dict(os.environ))
+            time.sleep(3)
+            runs = []
+            for _ in range(reps):
+                runs += timed_runs(warm, cmd, 1)
+                time.sleep(3)  # the next agent's ranks make their contexts off the critical path
+            results[f"pre-warmed ({level})"] = runs
+            print(f"   warm agents used ({level}): {warm.zygotes[0].request('status')['warm_served']}")
+            warm.close()
+        for name, runs in results.items():
             print(f"   {n} GPU(s), {name}: median {statistics.median(t for t, _ in runs):.3f} s "
                   f"(runs {[round(t, 3) for t, _ in runs]}), rc {[r.returncode for _, r in runs]}",
                   flush=True)
-        print(f"   warm agents used: {served}", flush=True)
-        for key in ("PRELOAD_LAUNCHER_PREWARM", "PRELOAD_LAUNCHER_PREWARM_RANKS"):
+        for key in ("PRELOAD_LAUNCHER_PREWARM", "PRELOAD_LAUNCHER_PREWARM_RANKS",
+                    "PRELOAD_LAUNCHER_PREWARM_CUDA"):
             os.environ.pop(key)
         cold.close()
-        warm.close()
 
+
+def memstats():
+    """A pre-warmed child must read as a fresh process: compare what steps observe."""
+    import json
+    import subprocess
+    print("== memstats: CUDA memory as a step observes it ==", flush=True)
+    cmd = [PY, os.path.join(STEPS, "memstats_step.py")]
+
+    def observed(output):
+        line = next((l for l in output.splitlines() if l.startswith("MEMSTATS ")), None)
+        return json.loads(line.split(" ", 1)[1]) if line else output[-800:]
+
+    seen = {"plain subprocess": observed(subprocess.run(cmd, capture_output=True, text=True).stdout)}
+    cold = Launcher(BASE)
+    seen["cold forked child"] = observed(cold.run(cmd, timeout=300).stdout)
+    cold.close()
+    for level in ("context", "kernels"):
+        os.environ.update(PRELOAD_LAUNCHER_PREWARM="1", PRELOAD_LAUNCHER_PREWARM_CUDA=level)
+        warm = Launcher(BASE)
+        warm.zygote_for(dict(os.environ))
+        time.sleep(4)
+        seen[f"pre-warmed ({level})"] = observed(warm.run(cmd, timeout=300).stdout)
+        served = warm.zygotes[0].request("status")["warm_served"]
+        warm.close()
+        seen[f"pre-warmed ({level})"]["warm_served"] = served
+    for key in ("PRELOAD_LAUNCHER_PREWARM", "PRELOAD_LAUNCHER_PREWARM_CUDA"):
+        os.environ.pop(key)
+    reference = seen["plain subprocess"]
+    for name, value in seen.items():
+        if not isinstance(value, dict):
+            print(f"   {name}: FAILED {value}")
+            continue
+        differs = {k: (value.get(k), reference.get(k)) for k in ("start", "after_first_matmul")
+                   if value.get(k) != reference.get(k)}
+        print(f"   {name}: {'same as plain' if not differs else 'DIFFERS ' + json.dumps(differs)}"
+              f"{'; warm children used ' + str(value['warm_served']) if 'warm_served' in value else ''}",
+              flush=True)
+    print(f"   plain subprocess observed: {json.dumps(reference)}", flush=True)
+
+
+LEVELS = ["context"]
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--only", choices=["prewarm", "learned", "torchrun"])
+    parser.add_argument("--only", choices=["prewarm", "learned", "torchrun", "memstats"])
+    parser.add_argument("--kernels", action="store_true",
+                        help="also time pre-warmed agents with PRELOAD_LAUNCHER_PREWARM_CUDA=kernels")
     args = parser.parse_args()
+    if args.kernels:
+        LEVELS.append("kernels")
+    if args.only in (None, "memstats"):
+        memstats()
     if args.only in (None, "prewarm"):
         prewarm(args.reps)
     if args.only in (None, "learned"):
