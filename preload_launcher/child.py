@@ -384,20 +384,24 @@ def start_coverage_if_requested() -> None:
 def warm_cuda_context(device: int = 0) -> None:
     """Make the CUDA context of ``device`` now, before a step needs it.
 
-    ``PRELOAD_LAUNCHER_PREWARM_CUDA``: ``context`` (the default) makes only the context, so the
-    allocator reads as in a fresh process; ``kernels`` also pays the per-process first uses
-    (see ``warm_first_use``); ``0`` makes nothing (the warm child still saves the fork)."""
+    ``PRELOAD_LAUNCHER_PREWARM_CUDA``: ``context`` (the default) makes only the driver's
+    primary context, which torch adopts at first use, so ``torch.cuda`` and its allocator read
+    as in a fresh process; ``kernels`` also pays the per-process first uses through torch (see
+    ``warm_first_use``; ``torch.cuda.is_initialized()`` then reads True at the step's start);
+    ``0`` makes nothing (the warm child still saves the fork)."""
     torch = sys.modules.get("torch")
     level = os.environ.get("PRELOAD_LAUNCHER_PREWARM_CUDA", "context")
     if torch is None or level == "0":
         return
-    from .preload import nvml_device_count
+    from .preload import nvml_device_count, retain_primary_context
     if nvml_device_count() <= device:
         return  # no NVML or no such GPU
     try:
-        torch.cuda.set_device(device)
         if level == "kernels":
+            torch.cuda.set_device(device)
             warm_first_use(torch, device)
+        else:
+            retain_primary_context(device)
     except Exception:
         traceback.print_exc()
 

@@ -63,6 +63,19 @@ class DriverProbe:
         return self._lib.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
+def retain_primary_context(ordinal: int) -> bool:
+    """Create (and keep) the driver's primary context of GPU ``ordinal``, the one the CUDA
+    runtime and torch adopt at first use, without touching torch: ``torch.cuda`` and its
+    allocator still read as never initialised. For pre-warmed children only; never the zygote."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    device, context = ctypes.c_int(0), ctypes.c_void_p()
+    return (lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(device), ordinal) == 0
+            and lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0)
+
+
 _fake_driver_initialized = False
 
 

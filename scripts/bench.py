@@ -65,7 +65,9 @@ def workloads(gpus: int) -> list[tuple[str, list[str]]]:
 SUITE_PHASES = ("build", "train", "save", "load", "quantize", "generate")
 SEGMENTS = (("launch", "t0", "start"), ("imports", "start", "imports"),
             ("dist init", "imports", "dist_init"), ("model", "dist_init", "model"),
-            ("work", "model", "work"), ("teardown", "work", "end"), ("exit", "end", "t1"))
+            ("work", "model", "work"), ("teardown", "work", "end"), ("return", "end", "atexit"),
+            ("exit", "atexit", "t1"))
+INPROCESS_STALL_S = 90.0  # an in-process worker with no finished run for this long has hung
 
 
 def suite_cmd(ranks: int, phase: str, ckpt_dir: str) -> list[str]:
@@ -74,8 +76,14 @@ def suite_cmd(ranks: int, phase: str, ckpt_dir: str) -> list[str]:
 
 
 def stamps_of(output: str) -> dict:
-    line = next((l for l in output.splitlines() if l.startswith("PHASES ")), None)
-    return json.loads(line.split(" ", 1)[1]) if line else {}
+    """The suite step's stage stamps, and when its first atexit handler ran (rank 0)."""
+    lines = output.splitlines()
+    line = next((l for l in lines if l.startswith("PHASES ")), None)
+    stamps = json.loads(line.split(" ", 1)[1]) if line else {}
+    atexit_line = next((l for l in lines if l.startswith("ATEXIT ")), None)
+    if atexit_line:
+        stamps["atexit"] = float(atexit_line.split()[1])
+    return stamps
 
 
 def timed(run, args: list[str]) -> dict:
@@ -107,27 +115,41 @@ def run_launcher(launcher: Launcher):
     return run
 
 
-def inprocess_runs(cmd: list[str], timeout: float) -> tuple[dict, str]:
-    """Per-step run times of an in-process worker, and why it stopped early ('' if it did not)."""
-    try:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             timeout=timeout)
-        output, why = out.stdout, ""
-        if out.returncode:
-            errors = [l for l in output.splitlines() if "Error" in l]
-            why = (errors[-1] if errors else f"exit code {out.returncode}")[:300]
-    except subprocess.TimeoutExpired as exc:
-        output = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
-        why = f"hung (killed after {timeout:.0f} s)"
+def inprocess_runs(cmd: list[str]) -> tuple[dict, str]:
+    """Per-step run times of an in-process worker, and why it stopped early ('' if it did not).
+    A worker that finishes no run for INPROCESS_STALL_S is killed as hung."""
+    import selectors
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
     times: dict = {}
-    for line in output.splitlines():
+    lines: list[str] = []
+    why = ""
+    last_progress = time.monotonic()
+    while True:
+        if not selector.select(timeout=5):
+            if time.monotonic() - last_progress > INPROCESS_STALL_S:
+                os.killpg(proc.pid, 9)
+                why = f"hung (no run finished for {INPROCESS_STALL_S:.0f} s; killed)"
+                break
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
         if line.startswith("INPROCESS "):
             run = json.loads(line.split(" ", 1)[1])
             times.setdefault(run["step"], []).append(run["s"])
+            last_progress = time.monotonic()
+    code = proc.wait()
+    if code and not why:
+        errors = [l.strip() for l in lines if "Error" in l]
+        why = (errors[-1] if errors else f"exit code {code}")[:300]
     return times, why
 
 
-def suite_inprocess(ranks: int, reps: int, ckpt_dir: str, timeout: float) -> dict:
+def suite_inprocess(ranks: int, reps: int, ckpt_dir: str) -> dict:
     """All six steps re-run in one process per rank; the first, importing round is dropped."""
     worker = os.path.join(HERE, "inprocess_worker.py")
     script = os.path.join(STEPS, "gpt_suite.py")
@@ -135,7 +157,7 @@ def suite_inprocess(ranks: int, reps: int, ckpt_dir: str, timeout: float) -> dic
     for phase in SUITE_PHASES:
         commands += ["--", script, phase, "--dir", ckpt_dir]
     times, why = inprocess_runs([TORCHRUN, f"--nproc_per_node={ranks}", worker, str(reps + 1),
-                                 *commands[1:]], timeout)
+                                 *commands[1:]])
     result = {}
     for phase in SUITE_PHASES:
         runs = times.get(f"{script} {phase} --dir {ckpt_dir}", [])[1:]
@@ -171,8 +193,8 @@ def suite(ranks: int, stack: list[str], launcher: Launcher, reps: int, subproces
                 runs[way][phase].append(timed(run, suite_cmd(ranks, phase, ckpt)))
     for launcher_of_way in warm.values():
         launcher_of_way.close()
-    inproc = suite_inprocess(ranks, reps, tempfile.mkdtemp(prefix="suite-inproc-"),
-                             timeout=60 + 120 * (reps + 1)) if "inprocess" in chosen \
+    inproc = suite_inprocess(ranks, reps, tempfile.mkdtemp(prefix="suite-inproc-")) \
+        if "inprocess" in chosen \
         else {p: None for p in SUITE_PHASES} | {"stopped": "not run"}
     table = {}
     for phase in SUITE_PHASES:
@@ -237,7 +259,7 @@ def time_inprocess(cmd: list[str], reps: int) -> list[float]:
     worker = os.path.join(HERE, "inprocess_worker.py")
     script = cmd[-1]
     prefix = cmd[:-1] if cmd[0] == TORCHRUN else [PY]
-    times, why = inprocess_runs(prefix + [worker, str(reps + 1), script], timeout=300)
+    times, why = inprocess_runs(prefix + [worker, str(reps + 1), script])
     runs = times.get(script, [])[1:]  # steady state: without the importing run
     return runs if not why else []
 
@@ -279,6 +301,11 @@ def main() -> None:
     parser.add_argument("--subprocess-reps", type=int, default=3, help="suite runs as subprocesses")
     parser.add_argument("--ways", default="subprocess,launcher,prewarm,inprocess",
                         help=f"suite ways, of {','.join(WAYS)}")
+    parser.add_argument("--suite-ranks", default="",
+                        help="rank counts for the suite (default: 1 and all GPUs, or 1,2 on CPU)")
+    parser.add_argument("--prime", action="store_true",
+                        help="run the suite's quantize step once, untimed, first (modelopt builds "
+                             "its CUDA extension on first use, once per machine)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--scaling", action="store_true", help="same as adding 'scaling'")
     parser.add_argument("--only", default="", help="run only rows whose name contains this")
@@ -311,7 +338,15 @@ def main() -> None:
         results["rows"] = rows(launcher, stack, gpus, args)
         save()
     if "suite" in sections:
-        for ranks in sorted({1, gpus if gpus > 1 else (0 if gpus else 2)} - {0}):
+        if args.prime:
+            import tempfile
+            primed = timed(run_launcher(launcher), suite_cmd(1, "quantize", tempfile.mkdtemp()))
+            print(f"# priming: the first quantize step on this machine took {primed['s']:.1f} s "
+                  f"(its 'work' {primed['segments'].get('work', 0):.1f} s)\n", flush=True)
+            results["priming_s"] = primed["s"]
+        default_ranks = sorted({1, gpus if gpus > 1 else (0 if gpus else 2)} - {0})
+        for ranks in ([int(r) for r in args.suite_ranks.split(",")] if args.suite_ranks
+                      else default_ranks):
             results["suite"].append(suite(ranks, stack, launcher, args.suite_reps,
                                           args.subprocess_reps, args.ways.split(",")))
             save()

@@ -13,6 +13,7 @@ import time
 STAMPS = {"start": time.time()}
 
 import argparse  # noqa: E402
+import atexit  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 
@@ -161,8 +162,11 @@ def main() -> None:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     STAMPS["end"] = time.time()
-    if dist.is_initialized() is False and int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", 0)) == 0:
         print("PHASES " + json.dumps(STAMPS), flush=True)
+        # Registered last, so it runs first at exit: after main's objects are freed and
+        # threads are joined, before the other atexit handlers (scripts/bench.py).
+        atexit.register(lambda: print(f"ATEXIT {time.time()!r}", flush=True))
 
 
 if __name__ == "__main__":  # dist_checkpointing's writer spawns processes that import this file
