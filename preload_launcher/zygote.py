@@ -138,18 +138,21 @@ class Zygote:
             say("installed packages changed: the learned preload starts over")
         profile.merge_reports()
         self.learn_reports_dir = profile.reports_dir
+        # Verdicts name top-level packages: importing any module of a package runs its
+        # __init__ chain, so one dirty module rules out its package, not learning as a whole.
         refused = {k[len(LEARNED):] for k in skip if k.startswith(LEARNED)}
         if len(refused) > MAX_LEARNED_QUARANTINES:
-            say("learned preload off: %d learned modules dirtied the zygote", len(refused))
+            say("learned preload off: %d learned packages dirtied the zygote", len(refused))
             profile.save()
-            return {"disabled": f"{len(refused)} learned modules quarantined"}
-        modules = profile.to_preload(exclude=refused | set(self.config["modules"]))
+            return {"disabled": f"{len(refused)} learned packages quarantined"}
+        modules = [m for m in profile.to_preload(exclude=set(self.config["modules"]))
+                   if m.partition(".")[0] not in refused]
         summary, dirty = preload_learned(modules, self.probe, learn.budget_s())
         for module, seconds in summary.pop("costs").items():
             profile.record_cost(module, seconds)
         profile.save()
         if dirty is not None:
-            self.quarantine(dirty, LEARNED + dirty.module, cache, skip)
+            self.quarantine(dirty, LEARNED + dirty.module.partition(".")[0], cache, skip)
         summary["quarantined"] = sorted(refused)
         summary["profile"] = profile.path
         return summary

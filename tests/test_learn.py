@@ -20,6 +20,12 @@ def learn_site(tmp_path):
     (site / "dirty_learned.py").write_text(
         f"open({str(log)!r}, 'a').write('dirty_learned\\n')\n"
         "from preload_launcher.preload import fake_cuinit\nfake_cuinit()\n")
+    package = site / "dirtypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "clean.py").write_text(f"open({str(log)!r}, 'a').write('dirtypkg.clean\\n')\n")
+    (package / "dirty.py").write_text(
+        "from preload_launcher.preload import fake_cuinit\nfake_cuinit()\n")
     dist = site / "learnpkg-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: learnpkg\nVersion: 1.0\n")
@@ -78,6 +84,21 @@ def test_a_learned_module_that_dirties_cuda_is_quarantined_and_not_retried(learn
     imports_before = log.read_text().count("dirty_learned")
     session(project, env, "pass")
     assert log.read_text().count("dirty_learned") == imports_before  # never imported again
+
+
+def test_a_dirty_learned_module_rules_out_its_package_only(learn_site):
+    site, project, env, log = learn_site
+    session(project, env, "import dirtypkg.dirty, dirtypkg.clean, slow_a")
+    imports_before = log.read_text().count("dirtypkg.clean")
+    _, _, status = session(project, env, "pass")
+    learned = status["preload"]["learned"]
+    assert learned["quarantined"] == ["dirtypkg"]
+    assert learned["loaded"] >= 1  # slow_a, from another package, is still learned
+    assert not status["driver_initialized"]
+    session(project, env, "pass")
+    # The package's clean module goes with it: importing it would run the same __init__ chain.
+    assert log.read_text().count("dirtypkg.clean") == imports_before
+    assert log.read_text().count("slow_a") == 3  # the step, then each later zygote
 
 
 def test_a_version_change_drops_the_profile(learn_site):
