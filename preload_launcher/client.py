@@ -85,7 +85,7 @@ class ZygoteProcess:
                   "socket_path": self.socket_path,
                   "alive_fd": alive_r, "cache_dir": self.cache_dir, "daemon": self.daemon,
                   "project": self.project, "learn": learn.learning_enabled(self.env),
-                  "prewarm": settings.prewarm_enabled(self.env),
+                  "prewarm": settings.prewarm_enabled(self.env, default=self.daemon and _has_gpus(self.env)),
                   "prewarm_ranks": settings.prewarm_ranks(self.env)}
         pass_fds = [fd for fd in (listener.fileno(), ready_w, alive_r) if fd >= 0]
         try:
@@ -214,6 +214,13 @@ class ZygoteProcess:
             sock.close()
             raise
         return sock
+
+
+def _has_gpus(env: Mapping[str, str]) -> bool:
+    """Pre-warming is the daemon's default where there are GPUs: its warm children read as
+    fresh processes (docs/performance.md), and a daemon is started to be kept warm."""
+    from .preload import nvml_device_count
+    return nvml_device_count(env) > 0
 
 
 def _read_events_until_eof(sock: socket.socket) -> list[dict]:

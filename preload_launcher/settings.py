@@ -41,10 +41,11 @@ def enabled(environ: Mapping[str, str] = os.environ, default: bool = True) -> bo
     return default if value is None else _validate_bool(value, "PRELOAD_LAUNCHER environment variable")
 
 
-def prewarm_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """``PRELOAD_LAUNCHER_PREWARM=1``: keep a child forked ahead, its CUDA context made."""
+def prewarm_enabled(environ: Mapping[str, str] = os.environ, default: bool = False) -> bool:
+    """``PRELOAD_LAUNCHER_PREWARM=1``: keep a child forked ahead, its CUDA context made.
+    Unset, ``default``: on for a daemon on a machine with GPUs, off otherwise."""
     value = environ.get("PRELOAD_LAUNCHER_PREWARM")
-    return False if value is None else _validate_bool(value, "PRELOAD_LAUNCHER_PREWARM environment variable")
+    return default if value is None else _validate_bool(value, "PRELOAD_LAUNCHER_PREWARM environment variable")
 
 
 def prewarm_ranks(environ: Mapping[str, str] = os.environ) -> int:

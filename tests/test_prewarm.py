@@ -119,3 +119,12 @@ def test_prewarmed_ranks_get_torchruns_environment(warm_torch_launcher):
     assert sorted(mine) == sorted(ref) == [0, 1]
     for rank in (0, 1):
         assert comparable(mine[rank]) == comparable(ref[rank])
+
+
+def test_prewarm_defaults_on_only_where_asked_and_can_be_turned_off():
+    from preload_launcher import settings
+    assert settings.prewarm_enabled({}) is False  # test lanes: opt-in
+    assert settings.prewarm_enabled({}, default=True) is True  # a daemon on a GPU machine
+    assert settings.prewarm_enabled({"PRELOAD_LAUNCHER_PREWARM": "0"}, default=True) is False
+    with pytest.raises(ValueError):
+        settings.prewarm_enabled({"PRELOAD_LAUNCHER_PREWARM": "maybe"})
