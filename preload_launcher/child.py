@@ -33,6 +33,7 @@ PR_SET_PDEATHSIG = 1
 REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
 
 _report_fd: Optional[int] = None  # where this process reports its exit code (see report_exit)
+_report_pid = 0  # the process that owns it: a fork of the step inherits the fd, not the duty
 
 
 @dataclass
@@ -261,8 +262,11 @@ def _system_exit_code(exc: SystemExit) -> int:
 def keep_for_exit_report(fd: int) -> None:
     """Keep ``fd`` (the caller's connection, or a rank's line to its agent) to report the exit
     code on: moved out of the program's way and closed on exec, so spawned programs lack it."""
-    global _report_fd
+    global _report_fd, _report_pid
+    if _report_fd is not None:  # a rank forked by its agent: the agent's line is not ours
+        os.close(_report_fd)
     _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, REPORT_FD_MIN)
+    _report_pid = os.getpid()
     os.close(fd)
 
 
@@ -272,7 +276,7 @@ def report_exit(code: int) -> None:
     all of it once the report arrives. A process that dies without reporting is reported by
     whoever reaps it."""
     global _report_fd
-    if _report_fd is None:
+    if _report_fd is None or os.getpid() != _report_pid:
         return
     fd, _report_fd = _report_fd, None
     close_step_output(keep=fd)

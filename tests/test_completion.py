@@ -90,3 +90,13 @@ def test_no_rank_outlives_a_reported_step(torch_launcher, tmp_path):
     assert result.returncode == 0, result.stdout
     for rank in (0, 1):
         assert wait_gone(int((tmp_path / f"pids{rank}").read_text()))
+
+
+def test_a_forked_copy_of_the_step_does_not_report_for_it(light):
+    # The fork runs to the end of the script first; the step itself exits 3 later.
+    code = ("import os, sys, time\n"
+            "if os.fork() == 0:\n    print('fork done', flush=True)\n    sys.exit(0)\n"
+            "time.sleep(1)\nprint('step done', flush=True)\nsys.exit(3)\n")
+    result = light.run([PY, "-c", code], timeout=30)
+    assert result.returncode == 3
+    assert result.stdout.splitlines() == ["fork done", "step done"]
