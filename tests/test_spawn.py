@@ -138,3 +138,27 @@ def test_proxy_file_goes_with_its_zygote(tmp_path):
     assert os.path.exists(proxy)
     launcher.close()
     assert not os.path.exists(proxy)
+
+
+def test_forkserver_server_is_forked_by_the_zygote(torch_launcher, tmp_path):
+    # The forkserver process is started like a spawned one; its children fork from it.
+    args = step(tmp_path, """
+        import multiprocessing as mp, sys
+
+        def child(q):
+            q.put("torch" in sys.modules)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("forkserver")
+            q = ctx.Queue()
+            procs = [ctx.Process(target=child, args=(q,)) for _ in range(2)]
+            for p in procs:
+                p.start()
+            print("torch loaded:", [q.get(timeout=60) for _ in procs])
+            for p in procs:
+                p.join()
+            print("exitcodes", [p.exitcode for p in procs])
+    """)
+    result = torch_launcher.run(args, timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout == "torch loaded: [True, True]\nexitcodes [0, 0]\n"
