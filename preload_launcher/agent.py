@@ -400,7 +400,7 @@ class Agent:
                 if self.ranks:
                     for key, _ in selector.select():
                         if key.data is None:
-                            _drain(wakeup_r)
+                            protocol.drain(wakeup_r)
         finally:
             signal.set_wakeup_fd(previous)
             selector.close()
@@ -493,14 +493,6 @@ class Agent:
         sys.stdout.flush()
         print(f"{type(error).__module__}.{type(error).__name__}: \n{error.format_msg()}",
               file=sys.stderr, flush=True)
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
 
 
 def _kill(pid: int, signum: int) -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence, Union
 
-from . import learn, protocol, settings
+from . import learn, protocol, settings, spawn_proxy
 from .command import StepSpec, Unsupported, parse_command
 from .result import LauncherError, StepResult
 from .zygote import BOOTSTRAP
@@ -177,9 +177,8 @@ class ZygoteProcess:
                 self.process.kill()
                 self.process.wait()
         # A zygote that ended well leaves nothing behind; a failed one keeps its log.
-        spawn_proxy = self.socket_path[:-5] + ".python"
-        for path in (self.socket_path, spawn_proxy, self.log_path) if clean \
-                else (self.socket_path, spawn_proxy):
+        proxy = spawn_proxy.path_for(self.socket_path)
+        for path in (self.socket_path, proxy, self.log_path) if clean else (self.socket_path, proxy):
             try:
                 os.unlink(path)
             except FileNotFoundError:

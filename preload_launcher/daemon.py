@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Mapping, Optional, Sequence
 
-from . import settings
+from . import settings, spawn_proxy
 from .client import ZygoteProcess
 
 __all__ = ["daemon_paths", "find_daemon", "start_daemon", "stop_daemon", "list_daemons"]
@@ -74,7 +74,7 @@ def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
             time.sleep(0.05)
         if _pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
-    for path in (sock, meta_path, sock[:-5] + ".python"):
+    for path in (sock, meta_path, spawn_proxy.path_for(sock)):
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -14,7 +14,7 @@ import os
 import socket
 import struct
 
-__all__ = ["MAX_FRAME", "send_request", "recv_request", "send_event", "EventReader",
+__all__ = ["MAX_FRAME", "send_request", "recv_request", "send_event", "drain", "EventReader",
            "ProtocolError"]
 
 HEADER = struct.Struct("!I")
@@ -83,6 +83,15 @@ def send_event(sock_or_fd, event: str, **fields) -> None:
         else:
             sock_or_fd.sendall(line)
     except OSError:
+        pass
+
+
+def drain(fd: int) -> None:
+    """Empty a non-blocking pipe (a signal wakeup fd) of what has been written so far."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
         pass
 
 

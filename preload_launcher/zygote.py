@@ -187,7 +187,7 @@ class Zygote:
         socket_path = self.config.get("socket_path")
         if not socket_path:
             return
-        path = socket_path[:-len(".sock")] + ".python"
+        path = spawn_proxy.path_for(socket_path)
         try:
             if spawn_proxy.write_executable(path, socket_path):
                 self.spawn_executable = path
@@ -254,7 +254,7 @@ class Zygote:
                 if key.data == "accept":
                     self.accept()
                 elif key.data == "signal":
-                    _drain(sig_r)
+                    protocol.drain(sig_r)
                     self.reap()
                 elif key.data == "alive":
                     self.request_stop("its starter went away")
@@ -528,14 +528,6 @@ def _killpg(pgid: int, signum: int) -> None:
     try:
         os.killpg(pgid, signum)
     except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
         pass
 
 
