@@ -15,20 +15,28 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import dataclass
 from typing import Optional
 
-from . import protocol
-from .child import (ZygoteState, attach_stdio, die_with_parent, keep_for_exit_report,
-                    report_exit, reseed_random_generators, restore_signals, run_python_step,
-                    use_spawn_proxy, warm_cuda_context)
+from . import child, cuda, protocol, runtime
 from .command import PythonTarget, StepSpec, parse_python_argv
-from .preload import cuda_safe_imports, nvml_device_count, probe_from_env, torch_cuda_initialized
-from .result import RankFailure
+from .settings import Settings
 
-__all__ = ["run_agent", "rank_envs", "unsupported_reason"]
+__all__ = ["run_agent", "rank_envs", "unsupported_reason", "fork_waiting_ranks", "release_ranks",
+           "RankHandle"]
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "", socket.gethostname()}
+
+
+@dataclass
+class RankFailure:
+    """One failed rank, for torchrun's failure summary (torch elastic's ``ProcessFailure``)."""
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    timestamp: float
+    error_file: str = ""
 
 
 class _Shutdown(Exception):
@@ -47,7 +55,7 @@ def resolve_nproc(value: str) -> Optional[str]:
     """``gpu``/``auto`` counted through NVML, never through a CUDA context; None if unknowable."""
     if value not in ("gpu", "auto"):
         return value
-    count = nvml_device_count()
+    count = cuda.nvml_device_count()
     if count > 0:
         return str(count)
     return str(os.cpu_count() or 1) if value == "auto" else None
@@ -78,10 +86,6 @@ def unsupported_reason(args, config) -> str:
     if config.nproc_per_node < 1:
         return f"nproc_per_node={config.nproc_per_node}"
     return ""
-
-
-def max_local_ranks() -> int:
-    return int(os.environ.get("PRELOAD_LAUNCHER_MAX_RANKS", "1024"))
 
 
 def rank_envs(config, master_addr: str, master_port: int, error_files: dict[int, str],
@@ -136,12 +140,12 @@ def _parse(spec: StepSpec):
     args.nproc_per_node = nproc
     # LaunchConfig asks torch.cuda.is_available(); through cudaGetDeviceCount that poisons every
     # later fork, so the agent asks NVML instead, as the zygote's preload does.
-    with cuda_safe_imports():
+    with cuda.cuda_safe_imports():
         config, cmd, cmd_args = torchrun.config_from_args(args)
     return args, config, cmd, cmd_args
 
 
-def run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int,
+def run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int,
               warm_ranks: Optional[dict[int, "RankHandle"]] = None) -> int:
     """Serve one torchrun step; ``warm_ranks`` (local rank -> pre-forked rank) are used when
     they fit the launch and released otherwise."""
@@ -151,7 +155,7 @@ def run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int,
         release_ranks(warm_ranks or {})
 
 
-def _run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int, warm_ranks: dict) -> int:
+def _run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, warm_ranks: dict) -> int:
     try:
         args, config, cmd, cmd_args = _parse(spec)
     except SystemExit as exc:  # argparse already printed torchrun's usage error
@@ -161,13 +165,14 @@ def _run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int, warm_ranks: dic
         protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
         return 0
     reason = "nproc_per_node=gpu without NVML" if config is None else unsupported_reason(args, config)
-    if not reason and config.nproc_per_node > max_local_ranks():
+    max_ranks = Settings.from_env().max_ranks
+    if not reason and config.nproc_per_node > max_ranks:
         # torchrun would try to start them all; refuse the way torchrun refuses bad values.
         protocol.send_event(conn_fd, "exec", t=time.time())
         print(f"ValueError: --nproc-per-node={config.nproc_per_node} exceeds the limit of "
-              f"{max_local_ranks()} local ranks (PRELOAD_LAUNCHER_MAX_RANKS)", file=sys.stderr)
+              f"{max_ranks} local ranks (PRELOAD_LAUNCHER_MAX_RANKS)", file=sys.stderr)
         return 1
-    if not reason and (probe_from_env().initialized() or torch_cuda_initialized()):
+    if not reason and cuda.fork_refusal(cuda.probe_for(Settings.from_env())):
         reason = "the agent initialised CUDA while parsing; ranks cannot be forked from it"
     if reason:
         protocol.send_event(conn_fd, "fallback", reason=reason, retire=False)
@@ -178,7 +183,7 @@ def _run_agent(spec: StepSpec, state: ZygoteState, conn_fd: int, warm_ranks: dic
     else:
         target = parse_python_argv([cmd, *cmd_args])
     protocol.send_event(conn_fd, "exec", t=time.time())
-    keep_for_exit_report(conn_fd)
+    runtime.keep_for_exit_report(conn_fd)
     if len(warm_ranks) != config.nproc_per_node:
         release_ranks(warm_ranks)
         warm_ranks.clear()
@@ -195,20 +200,20 @@ class RankHandle:
         self.pid, self.sock = pid, sock
 
 
-def fork_waiting_ranks(n: int, state: ZygoteState, warm_cuda: bool,
+def fork_waiting_ranks(n: int, state: runtime.ZygoteState, warm_cuda: bool,
                        close_fds: tuple[int, ...] = ()) -> dict[int, RankHandle]:
-    """Fork n ranks that wait for their orders (and, pre-warmed, first make their CUDA context)."""
+    """Fork n ranks that wait for their orders (and, pre-warmed, first make their CUDA context).
+    They stay in the agent's process group: killing the step kills its ranks."""
     ranks: dict[int, RankHandle] = {}
     for rank in range(n):
         agent_end, rank_end = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:
-            agent_end.close()
-            for other in ranks.values():
-                other.sock.close()
-            for fd in close_fds:
-                os.close(fd)
-            become_rank(rank, rank_end, state, warm_cuda)
+        others = [h.sock.fileno() for h in ranks.values()]
+
+        def body(rank=rank, rank_end=rank_end, others=others) -> int:
+            runtime.close_fds([agent_end.fileno(), *others, *close_fds])
+            return wait_as_rank(rank, rank_end, state, warm_cuda)
+
+        pid = runtime.fork(body, new_group=False)
         rank_end.close()
         ranks[rank] = RankHandle(pid, agent_end)
     return ranks
@@ -225,62 +230,25 @@ def release_ranks(ranks: dict[int, RankHandle]) -> None:
             pass
 
 
-def become_rank(rank: int, sock: socket.socket, state: ZygoteState, warm_cuda: bool) -> None:
-    """A rank's life: (make the CUDA context,) wait for its orders, set up, run. Never returns."""
-    code = 1
+def wait_as_rank(rank: int, sock: socket.socket, state: runtime.ZygoteState,
+                 warm_cuda: bool) -> int:
+    """A rank's life: (make the CUDA context,) wait for its orders (a StepSpec), set up, run."""
+    runtime.die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if warm_cuda:
+        cuda.warm_context(rank, state.prewarm_cuda)
     try:
-        die_with_parent()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if warm_cuda:
-            warm_cuda_context(rank)
-        try:
-            orders, fds = protocol.recv_request_blocking(sock)
-        except (OSError, ValueError):
-            os._exit(0)  # released unused, or the agent gave up before the start
-        keep_for_exit_report(sock.detach())  # the rank reports its exit code to the agent
-        restore_signals(state.signal_handlers)
-        attach_stdio(*fds)
-        os.chdir(orders["cwd"])
-        os.environ.clear()
-        os.environ.update(orders["env"])
-        reseed_random_generators()
-        use_spawn_proxy(state.spawn_executable)
-        for fd, path in ((1, orders["stdout"]), (2, orders["stderr"])):
-            if path:  # --redirects/--tee: the rank writes to its log file ("" is the console)
-                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-                os.dup2(target, fd)
-                os.close(target)
-        run_python_step(PythonTarget(**orders["target"]), state, None)
-    finally:
-        os._exit(code)
-
-
-def wait_as_warm_agent(sock: socket.socket, state: ZygoteState, nproc: int) -> None:
-    """A pre-warmed agent: fork ``nproc`` ranks that make their CUDA contexts now, then wait
-    for one torchrun step; ranks that do not fit it are released. Never returns."""
-    from .child import become_step
-    code = 0
-    try:
-        die_with_parent()
-        ranks = fork_waiting_ranks(nproc, state, warm_cuda=True, close_fds=(sock.fileno(),))
-        try:
-            spec, fds = protocol.recv_request_blocking(sock)
-        except (OSError, ValueError):
-            release_ranks(ranks)
-            os._exit(0)
-        *step_fds, conn_fd = fds
-        state.zygote_fds = [sock.fileno()]
-        become_step(spec, step_fds, conn_fd, state, warm_ranks=ranks)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        code = 1
-    finally:
-        os._exit(code)
+        orders, fds = protocol.recv_request_blocking(sock)
+    except (OSError, ValueError):
+        return 0  # released unused, or the agent gave up before the start
+    runtime.keep_for_exit_report(sock.detach())  # the rank reports its exit code to the agent
+    spec = StepSpec.from_json_dict(orders)
+    runtime.set_up(spec, state, fds)
+    return child.run_python_step(spec.target, state, None)
 
 
 class Agent:
-    def __init__(self, spec: StepSpec, state: ZygoteState, args, config, target: PythonTarget,
+    def __init__(self, spec: StepSpec, state: runtime.ZygoteState, args, config, target: PythonTarget,
                  warm_ranks: Optional[dict[int, RankHandle]] = None):
         self.spec = spec
         self.state = state
@@ -297,6 +265,7 @@ class Agent:
         self.ranks: dict[int, int] = {}  # pid -> local rank, until its exit code is known
         self.alive: set[int] = set()  # rank pids not reaped yet (a rank reports, then exits)
         self.reports: dict[int, socket.socket] = {}  # pid -> where the rank reports its code
+        self.readers: dict[int, protocol.EventReader] = {}  # pid -> that connection's reader
         self.failures: dict[int, RankFailure] = {}
 
     def master(self) -> tuple[str, int]:
@@ -313,11 +282,12 @@ class Agent:
         """Everything a rank needs: its env (torchrun's contract), cwd, target, log files, stdio."""
         envs = rank_envs(self.config, addr, port, self.logs.error_files, dict(os.environ))
         for rank, handle in self.handles.items():
-            orders = {"env": envs[rank], "cwd": os.getcwd(), "target": asdict(self.target),
-                      "stdout": self.logs.stdouts.get(rank, ""),
-                      "stderr": self.logs.stderrs.get(rank, "")}
-            protocol.send_request(handle.sock, orders, [0, 1])
+            orders = StepSpec(args=self.spec.args, env=envs[rank], cwd=os.getcwd(),
+                              target=self.target, stdout_file=self.logs.stdouts.get(rank, ""),
+                              stderr_file=self.logs.stderrs.get(rank, ""))
+            protocol.send_request(handle.sock, orders.to_json_dict(), [0, 1])
             self.reports[handle.pid] = handle.sock
+            self.readers[handle.pid] = protocol.EventReader()
 
     def start_tails(self) -> None:
         """--tee: copy each rank's log to the step's output with torchrun's line prefix."""
@@ -435,13 +405,13 @@ class Agent:
             if not data:
                 selector.unregister(key.fileobj)
                 continue
-            for event in protocol.EventReader().feed(data):
+            for event in self.readers[key.data].feed(data):
                 if event.get("event") == "exit":
                     done.append((key.data, int(event["returncode"])))
         return done
 
     def record_failure(self, rank: int, pid: int, code: int) -> None:
-        self.failures[rank] = RankFailure(rank=rank, local_rank=rank, pid=pid, exitcode=code,
+        self.failures[rank] = RankFailure(local_rank=rank, pid=pid, exitcode=code,
                                           timestamp=time.time(),
                                           error_file=self.logs.error_files.get(rank, ""))
 
@@ -468,7 +438,7 @@ class Agent:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        report_exit(code)
+        runtime.report_exit(code)
         for sock in self.reports.values():
             sock.close()
         for pid in list(self.alive):

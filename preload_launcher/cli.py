@@ -1,4 +1,5 @@
-"""Stage 6: ``preload-launcher run|doctor``. Builds requests and calls the client; never forks."""
+"""Stage 6: ``preload-launcher run|doctor|serve|status|stop|learned``. Builds requests and calls
+the client; never forks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from typing import Optional
 
 
-from . import daemon, settings
+from . import daemon, learn, settings
 from .client import Launcher, ZygoteProcess
 from .result import LauncherError
 
@@ -102,9 +103,8 @@ def format_learned(learned: dict) -> str:
 
 def cmd_learned(args: argparse.Namespace) -> int:
     """Show, pin or forget what the learned preload keeps for this project and environment."""
-    from . import learn
     project = os.path.abspath(args.project or os.getcwd())
-    profile = learn.Profile(settings.cache_dir(), learn.profile_key(project), project)
+    profile = learn.Profile(settings.Settings.from_env().cache_dir, learn.profile_key(project), project)
     profile.merge_reports()
     for module in args.pin or []:
         profile.pin(module)

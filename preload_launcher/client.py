@@ -10,7 +10,6 @@ import builtins
 import codecs
 import io
 import itertools
-import json
 import locale
 import os
 import selectors
@@ -22,10 +21,11 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence, Union
 
-from . import learn, protocol, settings, spawn_proxy
+from . import cuda, protocol, settings, spawn_proxy
 from .command import StepSpec, Unsupported, parse_command
+from .files import unlink_all
 from .result import LauncherError, StepResult
-from .zygote import BOOTSTRAP
+from .settings import Settings, ZygoteConfig
 
 __all__ = ["ZygoteProcess", "Launcher", "run", "run_capturing", "default_launcher"]
 
@@ -35,7 +35,18 @@ KILL_WAIT_S = 10.0
 INTERRUPT_GRACE_S = 0.25  # as subprocess.run gives a child on Ctrl-C
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _zygote_ids = itertools.count()
+# Popen(process_group=0) is Python >= 3.11; setpgid in the child is the same on 3.10.
+OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
+                     else {"preexec_fn": os.setpgrp})
 COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
+
+# The zygote's command line: ``python -u -c BOOTSTRAP PKG_PARENT CONFIG_JSON``. sys.path keeps
+# what a fresh interpreter has (minus sys.path[0]), whether or not the package is installed.
+BOOTSTRAP = (
+    "import sys; base = sys.path[1:]; sys.path.insert(0, sys.argv[1]); "
+    "from preload_launcher import zygote; sys.path[:] = base; "
+    "zygote.main(sys.argv[2], base)"
+)
 
 
 class ZygoteProcess:
@@ -47,7 +58,8 @@ class ZygoteProcess:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
         self.env = {k: v for k, v in env.items() if not k.startswith(COVERAGE_ENV_PREFIXES)}
-        self.cache_dir = cache_dir or settings.cache_dir(env)
+        self.settings = Settings.from_env(env)
+        self.cache_dir = cache_dir or self.settings.cache_dir
         runtime = settings.runtime_dir()
         self.socket_path = socket_path or os.path.join(
             runtime, f"z-{os.getpid()}-{next(_zygote_ids)}.sock")
@@ -81,17 +93,12 @@ class ZygoteProcess:
         listener.listen(128)
         ready_r, ready_w = os.pipe()
         alive_r, alive_w = (-1, -1) if self.daemon else os.pipe()
-        config = {"modules": self.modules, "listen_fd": listener.fileno(), "ready_fd": ready_w,
-                  "socket_path": self.socket_path,
-                  "alive_fd": alive_r, "cache_dir": self.cache_dir, "daemon": self.daemon,
-                  "project": self.project, "learn": learn.learning_enabled(self.env),
-                  "prewarm": settings.prewarm_enabled(self.env, default=self.daemon and _has_gpus(self.env)),
-                  "prewarm_ranks": settings.prewarm_ranks(self.env)}
+        config = self.config(listener.fileno(), ready_w, alive_r)
         pass_fds = [fd for fd in (listener.fileno(), ready_w, alive_r) if fd >= 0]
         try:
             with open(self.log_path, "ab") as log:
                 self.process = subprocess.Popen(
-                    [sys.executable, "-u", "-c", BOOTSTRAP, PACKAGE_PARENT, json.dumps(config)],
+                    [sys.executable, "-u", "-c", BOOTSTRAP, PACKAGE_PARENT, config.to_json()],
                     env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                     pass_fds=pass_fds, start_new_session=True, cwd="/")
         finally:
@@ -101,6 +108,19 @@ class ZygoteProcess:
                 os.close(alive_r)
         self._alive_w, self._ready_r = alive_w, ready_r
         return self
+
+    def config(self, listen_fd: int, ready_fd: int, alive_fd: int) -> ZygoteConfig:
+        """The zygote's settings snapshot. Pre-warming is the daemon's default where there are
+        GPUs: its warm children read as fresh processes (docs/performance.md), and a daemon is
+        started to be kept warm."""
+        s = self.settings
+        gpus = cuda.nvml_device_count(self.env) if s.prewarm or (s.prewarm is None and self.daemon) else 0
+        prewarm = s.prewarm if s.prewarm is not None else self.daemon and gpus > 0
+        return ZygoteConfig(modules=self.modules, listen_fd=listen_fd, ready_fd=ready_fd,
+                            socket_path=self.socket_path, cache_dir=self.cache_dir,
+                            project=self.project, alive_fd=alive_fd, daemon=self.daemon,
+                            learn=s.learn, learn_budget_s=s.learn_budget_s, prewarm=prewarm,
+                            prewarm_ranks=s.prewarm_ranks if s.prewarm_ranks is not None else gpus)
 
     def wait_ready(self) -> dict:
         """Block until the preload finished; returns the zygote's status."""
@@ -121,7 +141,7 @@ class ZygoteProcess:
                 f"log: {self.log_path}\n{_tail(self.log_path)}")
             self._ready.set()
             raise self._start_error
-        self.status = json.loads(data)
+        self.status = protocol.EventReader().feed(data)[0]
         self._ready.set()
         return self.status
 
@@ -135,6 +155,7 @@ class ZygoteProcess:
         """A handle on a running zygote (a daemon); raises OSError when none answers there."""
         z = cls.__new__(cls)
         z.modules, z.env, z.socket_path, z.daemon, z.process = [], {}, socket_path, True, None
+        z.settings = Settings()
         z.log_path, z.cache_dir, z._alive_w, z._ready_r = "", "", -1, -1
         z._ready, z._start_error = threading.Event(), None
         z.status = z.request("status")
@@ -177,12 +198,9 @@ class ZygoteProcess:
                 self.process.kill()
                 self.process.wait()
         # A zygote that ended well leaves nothing behind; a failed one keeps its log.
-        proxy = spawn_proxy.path_for(self.socket_path)
-        for path in (self.socket_path, proxy, self.log_path) if clean else (self.socket_path, proxy):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        unlink_all(self.socket_path, spawn_proxy.path_for(self.socket_path))
+        if clean:
+            unlink_all(self.log_path)
 
     # -------------------------------------------------------------- requests
 
@@ -213,13 +231,6 @@ class ZygoteProcess:
             sock.close()
             raise
         return sock
-
-
-def _has_gpus(env: Mapping[str, str]) -> bool:
-    """Pre-warming is the daemon's default where there are GPUs: its warm children read as
-    fresh processes (docs/performance.md), and a daemon is started to be kept warm."""
-    from .preload import nvml_device_count
-    return nvml_device_count(env) > 0
 
 
 def _read_events_until_eof(sock: socket.socket) -> list[dict]:
@@ -301,19 +312,14 @@ class _StepWait:
             data = b""
         if not data:
             self.selector.unregister(self.sock)
-            if "exit" not in self.events and "fallback" not in self.events:
-                self.events["zygote_lost"] = {}
-            return
+            return  # EOF: the zygote died if no "exit" came first
         for event in self._reader.feed(data):
             # The first report wins: a step reports its exit before its process is torn down,
             # and the zygote reports it again when it reaps the process.
             self.events.setdefault(event["event"], event)
 
     def send_signal(self, signum: int) -> None:
-        try:
-            self.sock.sendall((json.dumps({"op": "signal", "signum": int(signum)}) + "\n").encode())
-        except OSError:
-            pass
+        protocol.send_op(self.sock, "signal", signum=int(signum))
 
     def close(self) -> None:
         self.selector.close()
@@ -401,7 +407,8 @@ class Launcher:
         args = _check_args(args)
         step_env = _check_env(os.environ if env is None else env)
         step_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
-        if not settings.enabled():
+        Settings.from_env(step_env)  # a bad launcher variable in env= is the caller's error
+        if not Settings.from_env().enabled:
             return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
                                                "PRELOAD_LAUNCHER=0"))
         parsed = parse_command(args, step_env, step_cwd) if isinstance(args, list) \
@@ -513,7 +520,7 @@ def _fd_is_open(fd: int) -> bool:
 def _run_subprocess(args, cwd, env, timeout, check, echo, reason) -> StepResult:
     """The plain path: ``subprocess.run`` semantics, the step in its own process group."""
     with subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, process_group=0) as proc:
+                          stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP) as proc:
         chunks: list[bytes] = []
 
         def pump() -> None:
@@ -565,7 +572,7 @@ def set_session_launcher(launcher: Optional[Launcher]) -> None:
 def default_launcher() -> Launcher:
     """The launcher ``run()`` uses: the session's, else one per ``PRELOAD_LAUNCHER_MODULES``."""
     session = _session_launcher
-    if session is not None and (os.environ.get("PRELOAD_LAUNCHER_MODULES") is None
+    if session is not None and (Settings.from_env().modules is None
                                 or settings.preload_modules() == session.preload_set()):
         return session
     modules = settings.preload_modules()

@@ -47,6 +47,8 @@ class StepSpec:
     grace_s: float = 30.0  # SIGTERM -> SIGKILL grace for sibling ranks (torchrun's default)
     spawned: bool = False  # an interpreter a step's multiprocessing started (spawn_proxy)
     fd_targets: Optional[list[int]] = None  # where the passed fds go; default stdin, output
+    stdout_file: str = ""  # a rank's torchrun log files (--redirects/--tee); "" = the console
+    stderr_file: str = ""
 
     def to_json_dict(self) -> dict:
         return asdict(self)

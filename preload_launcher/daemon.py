@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Sequence
 
 from . import settings, spawn_proxy
 from .client import ZygoteProcess
+from .files import read_json, unlink_all, write_json
 
 __all__ = ["daemon_paths", "find_daemon", "start_daemon", "stop_daemon", "list_daemons"]
 
@@ -27,18 +28,10 @@ def daemon_paths(modules: Sequence[str]) -> tuple[str, str]:
     return base + ".sock", base + ".json"
 
 
-def _read_meta(meta_path: str) -> Optional[dict]:
-    try:
-        with open(meta_path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Optional[dict]]:
     """(handle, metadata) of a live daemon; (None, metadata) when one was started but is gone."""
     sock, meta_path = daemon_paths(modules)
-    meta = _read_meta(meta_path)
+    meta = read_json(meta_path)
     if meta is None:
         return None, None
     try:
@@ -53,10 +46,7 @@ def start_daemon(modules: Sequence[str], env: Mapping[str, str]) -> ZygoteProces
     zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True).start()
     meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
             "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
-    tmp = f"{meta_path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(meta, f)
-    os.replace(tmp, meta_path)
+    write_json(meta_path, meta)
     zygote.process.returncode = 0  # detached: never reaped (or warned about) by this process
     return zygote
 
@@ -74,11 +64,7 @@ def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
             time.sleep(0.05)
         if _pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
-    for path in (sock, meta_path, spawn_proxy.path_for(sock)):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    unlink_all(sock, meta_path, spawn_proxy.path_for(sock))
     return pid
 
 
@@ -88,7 +74,7 @@ def list_daemons() -> list[dict]:
     found = []
     for name in sorted(os.listdir(runtime)):
         if name.startswith("d-") and name.endswith(".json"):
-            meta = _read_meta(os.path.join(runtime, name))
+            meta = read_json(os.path.join(runtime, name))
             if meta:
                 found.append(meta)
     return found

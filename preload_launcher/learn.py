@@ -14,24 +14,16 @@ own tree are never learned (they change between runs), nor anything the zygote r
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
 from typing import Optional
 
-__all__ = ["Profile", "profile_key", "report_step_imports", "learning_enabled", "budget_s"]
+from .files import read_json, unlink_all, write_json
+
+__all__ = ["Profile", "profile_key", "report_step_imports"]
 
 MAX_LEARNED = 5000  # most frequently seen modules kept; the rest are dropped
-
-
-def learning_enabled(environ=os.environ) -> bool:
-    return environ.get("PRELOAD_LAUNCHER_LEARN", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def budget_s(environ=os.environ) -> float:
-    """Preload time the learned modules may add at zygote start-up."""
-    return float(environ.get("PRELOAD_LAUNCHER_LEARN_BUDGET_S", "60"))
 
 
 def profile_key(project: str) -> str:
@@ -48,11 +40,7 @@ class Profile:
         self.data = self._load()
 
     def _load(self) -> dict:
-        try:
-            with open(self.path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            data = {}
+        data = read_json(self.path) or {}
         data.setdefault("modules", {})
         data.setdefault("pinned", [])
         data.setdefault("forgotten", [])
@@ -69,11 +57,7 @@ class Profile:
         return stale
 
     def save(self) -> None:
-        os.makedirs(self.dir, exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1)
-        os.replace(tmp, self.path)
+        write_json(self.path, self.data)
 
     def merge_reports(self) -> int:
         """Fold the steps' reports into the profile; returns how many were read."""
@@ -88,11 +72,9 @@ class Profile:
             if not name.endswith(".json"):
                 continue  # a report still being written
             path = os.path.join(self.reports_dir, name)
-            try:
-                with open(path) as f:
-                    report = json.load(f)
-                os.unlink(path)
-            except (OSError, ValueError):
+            report = read_json(path)
+            unlink_all(path)
+            if report is None:
                 continue
             merged += 1
             for module in report.get("modules", []):
@@ -155,10 +137,7 @@ def report_step_imports(before: set[str], reports_dir: Optional[str], project: s
     if not names:
         return
     try:
-        os.makedirs(reports_dir, exist_ok=True)
-        path = os.path.join(reports_dir, f"{os.getpid()}-{time.monotonic_ns()}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"modules": names}, f)
-        os.replace(path + ".tmp", path)
+        write_json(os.path.join(reports_dir, f"{os.getpid()}-{time.monotonic_ns()}.json"),
+                   {"modules": names})
     except OSError:
         pass  # learning is best effort; the step's result never depends on it

@@ -1,15 +1,13 @@
-"""Stage 3a: import the preload set without initialising CUDA, and prove it.
+"""Stage 3a: import the preload set without initialising CUDA, prove it, and keep it current.
 
 Rules while importing (measured on an H200 image):
 - ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` keeps ``torch.cuda.is_available()`` off ``cuInit``;
 - device queries made at import time (modelopt asks ``get_device_capability``) are answered
-  from NVML, and the real functions are put back before the first fork;
-- after every import a driver-level probe (``cuDeviceGetCount`` == CUDA_ERROR_NOT_INITIALIZED)
-  checks that nothing initialised the driver behind torch's back. The first import that did
-  is the culprit: its chain of importers is reported and the preload entry that pulled it in
-  is quarantined (remembered per environment in a verdict cache).
-
-Probes are pluggable (``PRELOAD_LAUNCHER_PROBE=fake``) so the logic is tested on CPU.
+  from NVML, and the real functions are put back before the first fork (``cuda``);
+- after every import a driver-level probe checks that nothing initialised the driver behind
+  torch's back. The first import that did is the culprit: its chain of importers is reported
+  and the preload entry that pulled it in is quarantined (remembered per installed package set
+  in a verdict cache); the zygote then re-executes itself without it (``Quarantined``).
 """
 
 from __future__ import annotations
@@ -17,219 +15,31 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
-import ctypes
+import gc
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
-__all__ = ["DriverProbe", "probe_from_env", "PreloadReport", "EntryReport", "preload",
-           "VerdictCache", "native_threads", "fake_cuinit"]
+from . import learn
+from .files import read_json, write_json
+from .cuda import PRELOAD_ENV, DriverProbe, cuda_safe_imports, torch_cuda_initialized
+from .procfs import native_threads
+from .settings import IMPORT_ENV_KEYS, QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
+
+__all__ = ["PreloadReport", "EntryReport", "Preloader", "Quarantined", "preload", "VerdictCache",
+           "StalenessWatch", "freeze_image", "package_fingerprint"]
 
 log = logging.getLogger(__name__)
 
-CUDA_ERROR_NOT_INITIALIZED = 3
-# Environment the preload itself sets; never part of a step's import-relevant environment.
-PRELOAD_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-
-
-# ---------------------------------------------------------------- probes
-
-class DriverProbe:
-    """Reports whether the CUDA driver of this process has been initialised."""
-
-    name = "libcuda"
-
-    def __init__(self) -> None:
-        try:
-            self._lib = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            self._lib = None
-
-    @property
-    def available(self) -> bool:
-        return self._lib is not None
-
-    def initialized(self) -> bool:
-        if self._lib is None:
-            return False
-        count = ctypes.c_int(0)
-        return self._lib.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
-
-
-def retain_primary_context(ordinal: int) -> bool:
-    """Create (and keep) the driver's primary context of GPU ``ordinal``, the one the CUDA
-    runtime and torch adopt at first use, without touching torch: ``torch.cuda`` and its
-    allocator still read as never initialised. For pre-warmed children only; never the zygote."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    device, context = ctypes.c_int(0), ctypes.c_void_p()
-    return (lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(device), ordinal) == 0
-            and lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0)
-
-
-_fake_driver_initialized = False
-
-
-def fake_cuinit() -> None:
-    """What a test's fake culprit module calls to 'initialise the driver' in this process."""
-    global _fake_driver_initialized
-    _fake_driver_initialized = True
-
-
-class FakeDriverProbe(DriverProbe):
-    """In-process stand-in for the driver, flipped by ``fake_cuinit``."""
-
-    name = "fake"
-
-    def __init__(self) -> None:  # noqa: D401 - no library
-        self._lib = None
-
-    @property
-    def available(self) -> bool:
-        return True
-
-    def initialized(self) -> bool:
-        return _fake_driver_initialized
-
-
-def probe_from_env() -> DriverProbe:
-    return FakeDriverProbe() if os.environ.get("PRELOAD_LAUNCHER_PROBE") == "fake" else DriverProbe()
-
-
-def torch_cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    try:
-        return bool(torch is not None and torch.cuda.is_initialized())
-    except Exception:
-        return False
-
-
-def native_threads() -> dict[str, int]:
-    """Thread names of this process (``/proc/self/task/*/comm``) with their counts."""
-    names: dict[str, int] = {}
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return names
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        names[name] = names.get(name, 0) + 1
-    return names
-
-
-# ---------------------------------------------------------------- NVML answers during import
-
-def visible_count(count: int, environ=os.environ) -> int:
-    """Of ``count`` physical GPUs, how many ``CUDA_VISIBLE_DEVICES`` leaves visible."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return count
-    return min(count, len([v for v in visible.split(",") if v.strip()]))
-
-
-def nvml_device_count(environ=os.environ) -> int:
-    """Visible GPUs counted through NVML, never through CUDA (0 without NVML or GPUs)."""
-    try:
-        import pynvml  # provided by nvidia-ml-py
-        pynvml.nvmlInit()
-        return visible_count(pynvml.nvmlDeviceGetCount(), environ)
-    except Exception:
-        return 0
-
-
-def _nvml_device_answers():
-    """Replacement ``torch.cuda`` query functions backed by NVML, or None without NVML."""
-    try:
-        import pynvml  # provided by nvidia-ml-py
-        pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-    except Exception:
-        return None
-    if count == 0:
-        return None
-    import torch
-
-    def physical(device=None) -> int:
-        index = 0 if device is None else (device.index or 0) if isinstance(device, torch.device) \
-            else int(device) if not isinstance(device, str) else int(device.rpartition(":")[2] or 0)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible:
-            ids = [v for v in visible.split(",") if v.strip().isdigit()]
-            if index < len(ids):
-                return int(ids[index])
-        return index
-
-    def handle(device=None):
-        return pynvml.nvmlDeviceGetHandleByIndex(physical(device))
-
-    def get_device_capability(device=None):
-        return tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle(device)))
-
-    def get_device_name(device=None):
-        name = pynvml.nvmlDeviceGetName(handle(device))
-        return name.decode() if isinstance(name, bytes) else name
-
-    class _Properties:  # the fields NVML can answer truthfully
-        def __init__(self, device=None):
-            self.name = get_device_name(device)
-            self.major, self.minor = get_device_capability(device)
-            self.total_memory = pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total
-
-    def device_count():
-        return visible_count(count)
-
-    return {
-        "get_device_capability": get_device_capability,
-        "get_device_name": get_device_name,
-        "get_device_properties": lambda device=None: _Properties(device),
-        "current_device": lambda: 0,
-        "device_count": device_count,
-        "is_available": lambda: device_count() > 0,
-    }
-
-
-@contextlib.contextmanager
-def cuda_safe_imports() -> Iterator[bool]:
-    """Set the NVML-based CUDA check and answer device queries from NVML; undo on exit.
-
-    Yields whether NVML answers were installed (False on machines without NVML).
-    """
-    saved_env = {k: os.environ.get(k) for k in PRELOAD_ENV}
-    os.environ.update(PRELOAD_ENV)
-    answers = None
-    saved: dict[str, Callable] = {}
-    try:
-        if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
-            answers = _nvml_device_answers()
-        if answers:
-            import torch.cuda
-            saved = {name: getattr(torch.cuda, name) for name in answers}
-            for name, fn in answers.items():
-                setattr(torch.cuda, name, fn)
-        yield bool(answers)
-    finally:
-        if saved:
-            import torch.cuda
-            for name, fn in saved.items():
-                setattr(torch.cuda, name, fn)
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+LEARNED = "learned:"  # verdict-cache prefix for learned packages
+MAX_LEARNED_QUARANTINES = 5
 
 
 # ---------------------------------------------------------------- environment reads during import
@@ -376,8 +186,7 @@ def import_entry(module: str, probe: DriverProbe) -> EntryReport:
     return report
 
 
-def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
-            env_reads: Optional[set] = None) -> PreloadReport:
+def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict]) -> PreloadReport:
     """Import ``modules`` in order; stop at the first that makes the process unfit to fork."""
     report = PreloadReport(requested=list(modules), probe=probe.name)
     report.quarantined = dict(skip)
@@ -389,23 +198,23 @@ def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
                 continue
             entry = import_entry(module, probe)
             report.entries.append(entry)
-            if entry.driver_initialized or entry.torch_cuda_initialized:
-                report.dirty_entry = module
-                break
-            if entry.python_threads:
+            if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
                 report.dirty_entry = module
                 break
     report.seconds = round(time.perf_counter() - start, 3)
     return report
 
 
-def preload_learned(modules: list[str], probe: DriverProbe, budget: float) -> tuple[dict, Optional[EntryReport]]:
+def preload_learned(modules: list[str], probe: DriverProbe,
+                    budget: float) -> tuple[dict, Optional[EntryReport]]:
     """Import learned modules until the time budget is spent; stop at the first dirty one.
 
-    Returns a summary and, when one made the process unfit to fork, its report."""
+    Returns a summary (with each module's cost) and, when one made the process unfit to fork,
+    its report."""
     summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
                "costs": {}}
     start = time.perf_counter()
+    dirty = None
     with cuda_safe_imports():
         for i, module in enumerate(modules):
             if time.perf_counter() - start >= budget:
@@ -414,26 +223,14 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float) -> tu
             if module in sys.modules:
                 summary["loaded"] += 1
                 continue
-            t0 = time.perf_counter()
-            with _CulpritHook(probe) as hook:
-                try:
-                    importlib.import_module(module)
-                    summary["loaded"] += 1
-                except BaseException:
-                    summary["failed"] += 1
-            summary["costs"][module] = time.perf_counter() - t0
-            dirty = probe.initialized() or torch_cuda_initialized()
-            threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-            if dirty or threads:
-                entry = EntryReport(module=module, ok=True, python_threads=threads,
-                                    driver_initialized=probe.initialized(),
-                                    torch_cuda_initialized=torch_cuda_initialized(),
-                                    culprit=hook.culprit or module,
-                                    chain=_dedupe([module] + hook.chain))
-                summary["seconds"] = round(time.perf_counter() - start, 3)
-                return summary, entry
+            entry = import_entry(module, probe)
+            summary["loaded" if entry.ok else "failed"] += 1
+            summary["costs"][module] = entry.seconds
+            if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
+                dirty = entry
+                break
     summary["seconds"] = round(time.perf_counter() - start, 3)
-    return summary, None
+    return summary, dirty
 
 
 def verdict_for(entry: EntryReport) -> dict:
@@ -456,32 +253,152 @@ def package_fingerprint() -> str:
 
 
 class VerdictCache:
-    """Quarantine verdicts per (interpreter, packages, import env, probe), kept on disk."""
+    """Quarantine verdicts per (interpreter, packages, probe), kept on disk."""
 
     def __init__(self, directory: str, fingerprint: str) -> None:
         self.path = os.path.join(directory, "verdicts.json")
         self.fingerprint = fingerprint
 
-    def _load(self) -> dict:
-        try:
-            with open(self.path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
     def get(self) -> dict[str, dict]:
-        return self._load().get(self.fingerprint, {})
+        return (read_json(self.path) or {}).get(self.fingerprint, {})
 
     def put(self, entry: str, verdict: dict) -> None:
-        data = self._load()
-        # Only the current environment's verdicts are worth keeping: versions changed otherwise.
-        data = {self.fingerprint: {**data.get(self.fingerprint, {}), entry: verdict}}
+        # Only the current package set's verdicts are worth keeping: versions changed otherwise.
+        data = {self.fingerprint: {**self.get(), entry: verdict}}
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            tmp = f"{self.path}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
+            write_json(self.path, data)
         except OSError as err:
             log.warning("cannot write verdict cache %s: %s", self.path, err)
+
+
+# ---------------------------------------------------------------- the zygote's preload
+
+class Quarantined(Exception):
+    """An entry made the process unfit to fork: re-execute with ``skip`` as the quarantine."""
+
+    def __init__(self, skip: dict, entry: str) -> None:
+        verdict = skip[entry]
+        super().__init__(f"preload entry {entry} {verdict['reason']} (culprit {verdict['culprit']}"
+                         f" via {' -> '.join(verdict['chain'])})")
+        self.skip = skip
+
+
+class Preloader:
+    """The configured entries, then the learned ones, with cached verdicts applied."""
+
+    def __init__(self, config: ZygoteConfig, settings: Settings, probe: DriverProbe,
+                 log: Callable[..., None]) -> None:
+        self.config = config
+        self.log = log  # the zygote's log
+        self.probe = probe
+        self.fingerprint = package_fingerprint()
+        self.cache = VerdictCache(config.cache_dir, f"{self.fingerprint}-{probe.name}")
+        self.skip = dict(settings.quarantine)
+        self.skip.update({k: v for k, v in self.cache.get().items()
+                          if k in config.modules or k.startswith(LEARNED)})
+        self.env_set_by_preload: dict[str, str] = {}
+        self.learn_reports_dir = ""
+
+    def run(self) -> PreloadReport:
+        """Preload; raises ``Quarantined`` when an entry must go. Records which variables the
+        imports read (a zygote serves only steps that agree on them) and which they set."""
+        start_env = dict(os.environ)
+        with recording_env_reads() as keys:
+            report = preload(self.config.modules, self.probe, self.skip)
+            if report.dirty_entry:
+                self.quarantine(report.entries[-1], report.dirty_entry)
+            if self.config.learn:
+                report.learned = self.preload_learned()
+        keys = (keys | set(IMPORT_ENV_KEYS)) - {*PRELOAD_ENV, QUARANTINE_ENV, RESTARTED_ENV}
+        # What the imports saw, not what they left: some set variables while importing.
+        report.import_env = {k: start_env.get(k) for k in sorted(keys)}
+        self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
+        return report
+
+    def quarantine(self, entry: EntryReport, name: str) -> None:
+        verdict = verdict_for(entry)
+        self.cache.put(name, verdict)
+        raise Quarantined({**self.skip, name: verdict}, name)
+
+    def preload_learned(self) -> dict:
+        """Modules earlier steps imported, within the budget, under the same CUDA-clean rules."""
+        project = self.config.project
+        profile = learn.Profile(self.config.cache_dir, learn.profile_key(project), project)
+        if profile.check_packages(self.fingerprint):
+            self.log("installed packages changed: the learned preload starts over")
+        profile.merge_reports()
+        self.learn_reports_dir = profile.reports_dir
+        # Verdicts name top-level packages: importing any module of a package runs its
+        # __init__ chain, so one dirty module rules out its package, not learning as a whole.
+        refused = {k[len(LEARNED):] for k in self.skip if k.startswith(LEARNED)}
+        if len(refused) > MAX_LEARNED_QUARANTINES:
+            self.log("learned preload off: %d learned packages dirtied the zygote", len(refused))
+            profile.save()
+            return {"disabled": f"{len(refused)} learned packages quarantined"}
+        modules = [m for m in profile.to_preload(exclude=set(self.config.modules))
+                   if m.partition(".")[0] not in refused]
+        summary, dirty = preload_learned(modules, self.probe, self.config.learn_budget_s)
+        for module, seconds in summary.pop("costs").items():
+            profile.record_cost(module, seconds)
+        profile.save()
+        if dirty is not None:
+            self.quarantine(dirty, LEARNED + dirty.module.partition(".")[0])
+        summary["quarantined"] = sorted(refused)
+        summary["profile"] = profile.path
+        return summary
+
+
+def freeze_image() -> None:
+    """Ready the preloaded image for forking: children never touch (and copy) its objects'
+    pages in GC, and inherit no exit-only finalizers."""
+    skip_exit_only_finalizers()
+    gc.collect()
+    gc.freeze()
+
+
+def skip_exit_only_finalizers() -> int:
+    """Unhook torch.library's per-library exit finalizers from ``atexit`` (children inherit this).
+
+    Each deregisters an operator library from the dying process: ~30 ms per step with torch
+    loaded and nothing a program can observe, like the module teardown ``os._exit`` skips.
+    Libraries a step creates itself keep their finalizers."""
+    skipped = 0
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        info = finalizer._registry.get(finalizer)  # type: ignore[attr-defined]
+        func = getattr(info, "func", None)
+        if getattr(func, "__module__", "") == "torch.library" and func.__name__ == "_del_library":
+            finalizer.atexit = False
+            skipped += 1
+    return skipped
+
+
+class StalenessWatch:
+    """Notices edits to preloaded modules outside site-packages and package installs/removals.
+
+    Local source files are compared by mtime; installed packages through the mtime of each
+    site-packages directory (an install or uninstall adds or removes entries there)."""
+
+    def __init__(self) -> None:
+        import site
+        import sysconfig
+        dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+        dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
+        self.site_dirs = {d: _mtime(d) for d in dirs if os.path.isdir(d)}
+        roots = tuple(os.path.join(os.path.realpath(d), "") for d in self.site_dirs)
+        self.local_files: dict[str, int] = {}
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None)
+            if path and os.path.isfile(path) and not os.path.realpath(path).startswith(roots):
+                self.local_files[path] = _mtime(path)
+
+    def changes(self) -> list[str]:
+        changed = [p for p, t in self.local_files.items() if _mtime(p) != t]
+        changed += [f"packages in {d}" for d, t in self.site_dirs.items() if _mtime(d) != t]
+        return changed
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1

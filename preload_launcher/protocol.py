@@ -1,9 +1,28 @@
-"""Wire format between client and zygote: one request frame with fds, then JSON-line events.
+"""The one wire between a caller, the zygote, a step's agent and its ranks (standard library only).
 
-Request: 4-byte big-endian length, then a JSON object; the step's stdin and output fds ride
-on the first ``sendmsg`` (SCM_RIGHTS). Events (zygote and child -> client) are single JSON
-lines: ``started`` (pid), ``exec`` (user code begins), ``error`` (setup failed before user
-code), ``fallback`` (the zygote cannot serve this step) and ``exit`` (the wait status).
+Requests: a 4-byte big-endian length, then a JSON object; fds ride on the first ``sendmsg``
+(SCM_RIGHTS). One request per connection:
+
+    op "step"    spec: StepSpec fields    fds: stdin, output (or a spawned interpreter's fds)
+    op "status"                           the zygote answers with a "status" event
+    op "stop"                             the zygote answers "stopping" and ends its steps
+
+The same frame carries a step to a pre-warmed child and a rank's orders (a StepSpec) from its
+agent. After a "step" request the caller may write op lines on the connection:
+
+    op "signal"  signum                   forwarded to the step's process group
+
+Events are JSON lines, read by one ``EventReader`` per connection:
+
+    started   pid          the step's process exists
+    exec      t            user code begins (wall clock); the launcher's overhead ends here
+    error     type, errno, strerror, filename   set-up failed before user code (cwd, stdio)
+    fallback  reason, retire, retry   the zygote cannot serve this step: run it as a process
+    exit      returncode   the step ended (reported by the step itself, and again by its reaper)
+    status    (the zygote's status)   answer to op "status"
+    stopping  pid          answer to op "stop"
+    refused   reason       the peer's uid differs
+
 EOF before ``exit`` means the zygote died.
 """
 
@@ -14,59 +33,83 @@ import os
 import socket
 import struct
 
-__all__ = ["MAX_FRAME", "send_request", "recv_request", "send_event", "drain", "EventReader",
-           "ProtocolError"]
+__all__ = ["MAX_FRAME", "OPS", "EVENTS", "ProtocolError", "send_request", "recv_request",
+           "recv_request_blocking", "send_event", "send_op", "EventReader", "drain"]
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 256 * 1024 * 1024  # argv + env; far above what exec() itself accepts
 MAX_FDS = 32  # stdio, the caller's connection, and fds a spawning process passes
+FIRST_SEND = 65536
+
+# op -> required fields; event -> required fields.
+OPS = {"step": ("spec",), "status": (), "stop": (), "signal": ("signum",)}
+EVENTS = {"started": ("pid",), "exec": ("t",),
+          "error": ("type", "errno", "strerror", "filename"),
+          "fallback": ("reason",), "exit": ("returncode",), "status": ("pid",),
+          "stopping": ("pid",), "refused": ("reason",)}
 
 
 class ProtocolError(ValueError):
-    """A malformed or oversized frame."""
+    """A malformed, oversized or unknown frame or line."""
+
+
+def _check(message: dict, kind: str, table: dict) -> dict:
+    name = message.get(kind)
+    if name not in table:
+        raise ProtocolError(f"unknown {kind} {name!r}")
+    missing = [f for f in table[name] if f not in message]
+    if missing:
+        raise ProtocolError(f"{kind} {name!r} lacks {', '.join(missing)}")
+    return message
 
 
 def send_request(sock: socket.socket, request: dict, fds: list[int]) -> None:
+    """One request frame with its fds. ``request`` is an op (checked) or a bare StepSpec/orders
+    object handed to a waiting child."""
+    if "op" in request:
+        _check(request, "op", OPS)
     payload = json.dumps(request).encode("utf-8", "surrogatepass")
     data = HEADER.pack(len(payload)) + payload
-    sent = socket.send_fds(sock, [data[:65536]], fds)
+    sent = socket.send_fds(sock, [data[:FIRST_SEND]], fds)
     if sent < len(data):  # never send(b""): the zygote may have answered and closed already
         sock.sendall(data[sent:])
 
 
-def recv_request(sock: socket.socket) -> tuple[dict, list[int]]:
-    """Read one request frame; returns the decoded object and the fds that came with it."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, 65536, MAX_FDS)
+def _read_frame(sock: socket.socket, first: bytes) -> dict:
+    if len(first) < HEADER.size:
+        raise ProtocolError("short frame")
+    (size,) = HEADER.unpack_from(first)
+    if size > MAX_FRAME:
+        raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
+    buf = bytearray(first[HEADER.size:])
+    while len(buf) < size:
+        chunk = sock.recv(min(1 << 20, size - len(buf)))
+        if not chunk:
+            raise ProtocolError("connection closed mid-frame")
+        buf += chunk
     try:
-        if len(data) < HEADER.size:
-            raise ProtocolError("short frame")
-        (size,) = HEADER.unpack_from(data)
-        if size > MAX_FRAME:
-            raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
-        buf = bytearray(data[HEADER.size:])
-        while len(buf) < size:
-            chunk = sock.recv(min(1 << 20, size - len(buf)))
-            if not chunk:
-                raise ProtocolError("connection closed mid-frame")
-            buf += chunk
-        try:
-            request = json.loads(bytes(buf).decode("utf-8", "surrogatepass"))
-        except ValueError as err:
-            raise ProtocolError(f"bad JSON: {err}") from None
-        if not isinstance(request, dict):
-            raise ProtocolError("request is not an object")
-        return request, fds
+        request = json.loads(bytes(buf).decode("utf-8", "surrogatepass"))
+    except ValueError as err:
+        raise ProtocolError(f"bad JSON: {err}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError("request is not an object")
+    return request
+
+
+def recv_request(sock: socket.socket) -> tuple[dict, list[int]]:
+    """Read one request frame; returns the decoded object and the fds that came with it (closed
+    here when the frame is bad)."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, FIRST_SEND, MAX_FDS)
+    try:
+        return _read_frame(sock, data), fds
     except BaseException:
         for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            os.close(fd)
         raise
 
 
 def recv_request_blocking(sock: socket.socket) -> tuple[dict, list[int]]:
-    """``recv_request`` that waits indefinitely (a warm child waiting for its step)."""
+    """``recv_request`` that waits indefinitely (a warm child or a rank waiting for its step)."""
     sock.settimeout(None)
     request, fds = recv_request(sock)
     if not fds and not request:
@@ -74,16 +117,55 @@ def recv_request_blocking(sock: socket.socket) -> tuple[dict, list[int]]:
     return request, fds
 
 
-def send_event(sock_or_fd, event: str, **fields) -> None:
-    """Send one event line; never raises on a vanished peer (the caller decides what EOF means)."""
-    line = (json.dumps({"event": event, **fields}) + "\n").encode()
+def _line(message: dict) -> bytes:
+    return (json.dumps(message) + "\n").encode()
+
+
+def _write(sock_or_fd, data: bytes) -> None:
+    """Write a whole line; never raises on a vanished peer (the reader decides what EOF means)."""
     try:
         if isinstance(sock_or_fd, int):
-            os.write(sock_or_fd, line)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(sock_or_fd, view):]
         else:
-            sock_or_fd.sendall(line)
+            sock_or_fd.sendall(data)
     except OSError:
         pass
+
+
+def send_event(sock_or_fd, event: str, **fields) -> None:
+    _write(sock_or_fd, _line(_check({"event": event, **fields}, "event", EVENTS)))
+
+
+def send_op(sock_or_fd, op: str, **fields) -> None:
+    """An op line on a running step's connection (``signal``)."""
+    _write(sock_or_fd, _line(_check({"op": op, **fields}, "op", OPS)))
+
+
+class EventReader:
+    """Splits one connection's byte stream into JSON messages; keeps a partial line for the
+    next ``feed``, so there is exactly one reader per connection."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[dict]:
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        messages = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError as err:
+                raise ProtocolError(f"bad JSON line: {err}") from None
+            if not isinstance(message, dict):
+                raise ProtocolError("line is not an object")
+            messages.append(_check(message, "event", EVENTS) if "event" in message
+                            else _check(message, "op", OPS))
+        return messages
 
 
 def drain(fd: int) -> None:
@@ -93,15 +175,3 @@ def drain(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
-
-
-class EventReader:
-    """Splits a byte stream into JSON event dicts."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[dict]:
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]

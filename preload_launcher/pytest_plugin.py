@@ -14,6 +14,7 @@ from typing import Optional
 import pytest
 
 from . import client, settings
+from .cli import format_learned
 
 PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"
 MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
@@ -33,8 +34,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def resolve_enabled(config: pytest.Config) -> bool:
     """env > CLI > default (on)."""
-    if os.environ.get("PRELOAD_LAUNCHER") is not None:
-        return settings.enabled()
+    toggle = settings.Settings.from_env().toggle
+    if toggle is not None:
+        return toggle
     option = config.getoption("preload_launcher")
     return True if option is None else bool(option)
 
@@ -71,7 +73,7 @@ def preload_launcher(pytestconfig: pytest.Config) -> client.Launcher:
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     launcher = config.stash.get(launcher_key, None)
     if launcher is None:
-        if os.environ.get("PRELOAD_LAUNCHER") == "0":
+        if not settings.Settings.from_env().enabled:
             terminalreporter.write_sep("-", "preload_launcher: off (plain subprocesses)")
         return
     stats = launcher.stats
@@ -90,7 +92,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
                       f" in {report['seconds']:.1f} s")
         for entry, verdict in report.get("quarantined", {}).items():
             tr.write_line(f"  quarantined {entry}: {verdict['reason']} ({verdict['culprit']})")
-        from .cli import format_learned
         tr.write_line("  " + format_learned(report.get("learned", {})))
         failed = [e["module"] for e in report.get("entries", []) if not e["ok"]]
         if failed:

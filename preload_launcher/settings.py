@@ -1,12 +1,19 @@
-"""Settings shared by ``run()``, the CLI and the pytest plugin, each validated with its source."""
+"""Every variable the launcher interprets, read here and nowhere else, into one typed snapshot.
+
+``Settings.from_env(environ)`` reads ``PRELOAD_LAUNCHER_*`` (and the XDG directories) with one
+boolean rule; a bad value raises ``ValueError`` naming the variable it came from. The zygote
+receives its own snapshot as a ``ZygoteConfig`` (JSON on its command line).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
-__all__ = ["DEFAULT_MODULES", "enabled", "preload_modules", "cache_dir", "runtime_dir",
-           "IMPORT_ENV_KEYS"]
+__all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "ZygoteConfig", "parse_bool",
+           "preload_modules", "runtime_dir", "QUARANTINE_ENV", "RESTARTED_ENV"]
 
 DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch")
 
@@ -17,17 +24,28 @@ IMPORT_ENV_KEYS = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBA
                    "PYTHONSAFEPATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
                    "PRELOAD_LAUNCHER_PROBE")
 
+# Set by the zygote for its own re-exec: the quarantine so far, and "restarted after a change".
+QUARANTINE_ENV = "_PRELOAD_LAUNCHER_QUARANTINE"
+RESTARTED_ENV = "_PRELOAD_LAUNCHER_RESTARTED"
 
-def _validate_bool(value: str, where: str) -> bool:
+PREWARM_CUDA_LEVELS = ("context", "kernels", "0")
+PROBES = ("libcuda", "fake")
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
+def parse_bool(value: str, where: str) -> bool:
+    """The one boolean rule: 1/true/yes/on and 0/false/no/off/empty, any case; else an error."""
     lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
+    if lowered in TRUE_WORDS:
         return True
-    if lowered in ("0", "false", "no", "off", ""):
+    if lowered in FALSE_WORDS:
         return False
-    raise ValueError(f"Invalid boolean {value!r} from {where}")
+    raise ValueError(f"Invalid boolean {value!r} from {where} (use 1/0, true/false, yes/no, on/off)")
 
 
-def _validate_modules(value: str, where: str) -> tuple[str, ...]:
+def parse_modules(value: str, where: str) -> tuple[str, ...]:
     modules = tuple(m.strip() for m in value.split(",") if m.strip())
     for m in modules:
         if not all(part.isidentifier() for part in m.split(".")):
@@ -35,53 +53,147 @@ def _validate_modules(value: str, where: str) -> tuple[str, ...]:
     return modules
 
 
-def enabled(environ: Mapping[str, str] = os.environ, default: bool = True) -> bool:
-    """``PRELOAD_LAUNCHER=0`` turns the zygote off (the per-lane toggle)."""
-    value = environ.get("PRELOAD_LAUNCHER")
-    return default if value is None else _validate_bool(value, "PRELOAD_LAUNCHER environment variable")
+def _number(kind, value: str, where: str, minimum: float = 0):
+    try:
+        number = kind(value)
+    except ValueError:
+        raise ValueError(f"Invalid {kind.__name__} {value!r} from {where}") from None
+    if number < minimum:
+        raise ValueError(f"{where} must be at least {minimum}, not {value!r}")
+    return number
 
 
-def prewarm_enabled(environ: Mapping[str, str] = os.environ, default: bool = False) -> bool:
-    """``PRELOAD_LAUNCHER_PREWARM=1``: keep a child forked ahead, its CUDA context made.
-    Unset, ``default``: on for a daemon on a machine with GPUs, off otherwise."""
-    value = environ.get("PRELOAD_LAUNCHER_PREWARM")
-    return default if value is None else _validate_bool(value, "PRELOAD_LAUNCHER_PREWARM environment variable")
+def _choice(value: str, choices: tuple[str, ...], where: str) -> str:
+    if value not in choices:
+        raise ValueError(f"Invalid value {value!r} from {where} (one of: {', '.join(choices)})")
+    return value
 
 
-def prewarm_ranks(environ: Mapping[str, str] = os.environ) -> int:
-    """Ranks of the pre-warmed torchrun agent: ``PRELOAD_LAUNCHER_PREWARM_RANKS``, else the
-    number of GPUs NVML sees (0 without NVML: no pre-warmed agent)."""
-    value = environ.get("PRELOAD_LAUNCHER_PREWARM_RANKS")
-    if value is not None:
-        return int(value)
-    from .preload import nvml_device_count
-    return nvml_device_count(environ)
+class _Reader:
+    """Reads one mapping, naming the variable in every error."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ
+
+    def raw(self, key: str) -> Optional[str]:
+        return self.environ.get(key)
+
+    def flag(self, key: str, default: Optional[bool]) -> Optional[bool]:
+        value = self.environ.get(key)
+        return default if value is None else parse_bool(value, f"{key} environment variable")
+
+    def number(self, key: str, kind, default, minimum: float = 0):
+        value = self.environ.get(key)
+        return default if value is None else _number(kind, value, f"{key} environment variable",
+                                                     minimum)
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        value = self.environ.get(key)
+        return default if value is None else _choice(value, choices, f"{key} environment variable")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one environment asks of the launcher (see the README for each variable)."""
+
+    toggle: Optional[bool] = None  # PRELOAD_LAUNCHER: the per-lane toggle (None: not set)
+    modules: Optional[tuple[str, ...]] = None  # PRELOAD_LAUNCHER_MODULES (None: not set)
+    prewarm: Optional[bool] = None  # PRELOAD_LAUNCHER_PREWARM (None: the caller's default)
+    prewarm_ranks: Optional[int] = None  # PRELOAD_LAUNCHER_PREWARM_RANKS (None: one per GPU)
+    prewarm_cuda: str = "context"  # PRELOAD_LAUNCHER_PREWARM_CUDA: context, kernels or 0
+    spawn: bool = True  # PRELOAD_LAUNCHER_SPAWN: serve a step's spawned interpreters
+    learn: bool = True  # PRELOAD_LAUNCHER_LEARN
+    learn_budget_s: float = 60.0  # PRELOAD_LAUNCHER_LEARN_BUDGET_S
+    max_ranks: int = 1024  # PRELOAD_LAUNCHER_MAX_RANKS
+    probe: str = "libcuda"  # PRELOAD_LAUNCHER_PROBE: "fake" for CPU tests of the CUDA rules
+    cache_dir: str = ""  # PRELOAD_LAUNCHER_CACHE_DIR, else $XDG_CACHE_HOME/preload_launcher
+    runtime_base: str = "/tmp"  # XDG_RUNTIME_DIR, else /tmp
+    quarantine: dict = field(default_factory=dict)  # the zygote's own re-exec state
+    restarted: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+        r = _Reader(environ)
+        modules = r.raw("PRELOAD_LAUNCHER_MODULES")
+        return cls(
+            toggle=r.flag("PRELOAD_LAUNCHER", None),
+            modules=None if modules is None else parse_modules(
+                modules, "PRELOAD_LAUNCHER_MODULES environment variable"),
+            prewarm=r.flag("PRELOAD_LAUNCHER_PREWARM", None),
+            prewarm_ranks=r.number("PRELOAD_LAUNCHER_PREWARM_RANKS", int, None),
+            prewarm_cuda=r.choice("PRELOAD_LAUNCHER_PREWARM_CUDA", PREWARM_CUDA_LEVELS, "context"),
+            spawn=r.flag("PRELOAD_LAUNCHER_SPAWN", True),
+            learn=r.flag("PRELOAD_LAUNCHER_LEARN", True),
+            learn_budget_s=r.number("PRELOAD_LAUNCHER_LEARN_BUDGET_S", float, 60.0),
+            max_ranks=r.number("PRELOAD_LAUNCHER_MAX_RANKS", int, 1024, minimum=1),
+            probe=r.choice("PRELOAD_LAUNCHER_PROBE", PROBES, "libcuda"),
+            cache_dir=r.raw("PRELOAD_LAUNCHER_CACHE_DIR") or os.path.join(
+                r.raw("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                "preload_launcher"),
+            runtime_base=r.raw("XDG_RUNTIME_DIR") or "/tmp",
+            quarantine=_quarantine(r.raw(QUARANTINE_ENV)),
+            restarted=bool(r.raw(RESTARTED_ENV)),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """On unless ``PRELOAD_LAUNCHER`` says off."""
+        return self.toggle is not False
+
+
+def _quarantine(value: Optional[str]) -> dict:
+    if not value:
+        return {}
+    try:
+        data = json.loads(value)
+    except ValueError:
+        raise ValueError(f"Invalid JSON from {QUARANTINE_ENV} environment variable") from None
+    return data if isinstance(data, dict) else {}
 
 
 def preload_modules(explicit: Optional[str] = None, ini: Optional[str] = None,
                     environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """Precedence: explicit (CLI/argument) > env > ini > default."""
     if explicit is not None:
-        return _validate_modules(explicit, "--preload")
-    if environ.get("PRELOAD_LAUNCHER_MODULES") is not None:
-        return _validate_modules(environ["PRELOAD_LAUNCHER_MODULES"],
-                                 "PRELOAD_LAUNCHER_MODULES environment variable")
+        return parse_modules(explicit, "--preload")
+    from_env = Settings.from_env(environ).modules
+    if from_env is not None:
+        return from_env
     if ini is not None:
-        return _validate_modules(ini, "preload_launcher_modules ini option")
+        return parse_modules(ini, "preload_launcher_modules ini option")
     return DEFAULT_MODULES
-
-
-def cache_dir(environ: Mapping[str, str] = os.environ) -> str:
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return environ.get("PRELOAD_LAUNCHER_CACHE_DIR") or os.path.join(base, "preload_launcher")
 
 
 def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:
     """A per-user directory (mode 0700) for sockets and logs."""
-    base = environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    path = os.path.join(base, f"preload_launcher-{os.getuid()}")
+    path = os.path.join(Settings.from_env(environ).runtime_base, f"preload_launcher-{os.getuid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0700")
     return path
+
+
+@dataclass
+class ZygoteConfig:
+    """Everything a zygote is started with: its fds, its preload set, the caller's settings."""
+
+    modules: list[str]
+    listen_fd: int
+    ready_fd: int
+    socket_path: str
+    cache_dir: str
+    project: str
+    alive_fd: int = -1  # EOF here: the starter went away (-1 for a daemon)
+    daemon: bool = False
+    learn: bool = True
+    learn_budget_s: float = 60.0
+    prewarm: bool = False
+    prewarm_ranks: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ZygoteConfig":
+        return cls(**json.loads(text))

@@ -8,16 +8,19 @@ command with the same fds, then stands in for it: signals it receives are forwar
 exits with the child's status, so ``Process.pid``/``join``/``terminate`` work unchanged.
 Anything the zygote cannot serve becomes the real interpreter (``execv``), fds intact.
 
-The zygote writes this source behind a ``#!python -IS`` line and the socket path (``SOCKET``)
-as an executable file: the standard library only, so it starts in milliseconds.
+The zygote writes this source behind a ``#!python -IS`` line, the socket path (``SOCKET``)
+and the source of ``protocol`` (``PROTOCOL_SOURCE``, the one wire) as an executable file: the
+standard library only, so it starts in milliseconds.
 """
 
-import json
 import os
 import signal
 import socket
-import struct
 import sys
+import types
+
+if __name__ != "__main__":  # imported by the zygote; the written executable embeds protocol
+    from . import protocol
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -53,19 +56,12 @@ def exit_like(code: int) -> None:
 def send_step(sock: socket.socket, argv: list, fds: list) -> None:
     spec = {"args": [sys.executable, *argv], "env": dict(os.environ), "cwd": os.getcwd(),
             "spawned": True, "fd_targets": [0, 1, 2, *fds]}
-    payload = json.dumps({"op": "step", "spec": spec}).encode("utf-8", "surrogatepass")
-    data = struct.pack("!I", len(payload)) + payload
-    sent = socket.send_fds(sock, [data[:65536]], [0, 1, 2, *fds])
-    if sent < len(data):
-        sock.sendall(data[sent:])
+    protocol.send_request(sock, {"op": "step", "spec": spec}, [0, 1, 2, *fds])
 
 
 def forward_signals(sock: socket.socket) -> None:
     def forward(signum, _frame):
-        try:
-            sock.sendall((json.dumps({"op": "signal", "signum": signum}) + "\n").encode())
-        except OSError:
-            pass
+        protocol.send_op(sock, "signal", signum=signum)
     for signum in FORWARDED:
         signal.signal(signum, forward)
 
@@ -83,10 +79,21 @@ def write_executable(path: str, socket_path: str) -> bool:
         return False
     with open(__file__, encoding="utf-8") as f:
         source = f.read()
+    with open(protocol.__file__, encoding="utf-8") as f:
+        protocol_source = f.read()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)
     with open(fd, "w", encoding="utf-8") as f:
-        f.write(shebang + f"SOCKET = {socket_path!r}\n" + source)
+        f.write(f"{shebang}SOCKET = {socket_path!r}\nPROTOCOL_SOURCE = {protocol_source!r}\n"
+                + source)
     return True
+
+
+def embedded_module(name: str, source: str) -> types.ModuleType:
+    """A module made from source text carried in this file (no package to import it from)."""
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(compile(source, name, "exec"), module.__dict__)
+    return module
 
 
 def main(socket_path: str) -> None:
@@ -100,7 +107,7 @@ def main(socket_path: str) -> None:
         sock.close()
         become_python(argv)  # the zygote is gone: the plain way
     running = False
-    buf = b""
+    reader = protocol.EventReader()
     while True:
         try:
             data = sock.recv(65536)
@@ -110,10 +117,7 @@ def main(socket_path: str) -> None:
             if not running:
                 become_python(argv)
             exit_like(-signal.SIGKILL)  # the zygote died, and the child with it
-        buf += data
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            event = json.loads(line)
+        for event in reader.feed(data):
             kind = event.get("event")
             if kind == "exec" and not running:
                 running = True
@@ -127,5 +131,6 @@ def main(socket_path: str) -> None:
                 exit_like(int(event["returncode"]))
 
 
-if __name__ == "__main__":
-    main(SOCKET)  # noqa: F821  (defined by the line above this source in the written file)
+if __name__ == "__main__":  # the written executable: SOCKET and PROTOCOL_SOURCE precede this
+    protocol = embedded_module("preload_launcher_protocol", PROTOCOL_SOURCE)  # noqa: F821
+    main(SOCKET)  # noqa: F821

@@ -19,13 +19,13 @@ def learn_site(tmp_path):
             f"import time\nopen({str(log)!r}, 'a').write('{name}\\n')\ntime.sleep(0.5)\n")
     (site / "dirty_learned.py").write_text(
         f"open({str(log)!r}, 'a').write('dirty_learned\\n')\n"
-        "from preload_launcher.preload import fake_cuinit\nfake_cuinit()\n")
+        "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n")
     package = site / "dirtypkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "clean.py").write_text(f"open({str(log)!r}, 'a').write('dirtypkg.clean\\n')\n")
     (package / "dirty.py").write_text(
-        "from preload_launcher.preload import fake_cuinit\nfake_cuinit()\n")
+        "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n")
     dist = site / "learnpkg-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: learnpkg\nVersion: 1.0\n")

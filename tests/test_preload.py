@@ -24,14 +24,14 @@ def fake_site(tmp_path, monkeypatch):
         "fake_parent.py": "import fake_middle\nVALUE = 1\n",
         "fake_middle.py": "import fake_culprit\n",
         "fake_culprit.py": f"""
-            from preload_launcher.preload import fake_cuinit
+            from preload_launcher.cuda import fake_cuinit
             open({str(imports_log)!r}, "a").write("culprit imported\\n")
             fake_cuinit()
         """,
         "thready.py": "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True, name='poller').start()\n",
         "armed.py": """
             import signal
-            from preload_launcher.preload import fake_cuinit
+            from preload_launcher.cuda import fake_cuinit
             signal.signal(signal.SIGUSR1, lambda *a: fake_cuinit())
         """,
         "innocent.py": "X = 42\n",

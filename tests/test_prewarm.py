@@ -121,10 +121,20 @@ def test_prewarmed_ranks_get_torchruns_environment(warm_torch_launcher):
         assert comparable(mine[rank]) == comparable(ref[rank])
 
 
-def test_prewarm_defaults_on_only_where_asked_and_can_be_turned_off():
-    from preload_launcher import settings
-    assert settings.prewarm_enabled({}) is False  # test lanes: opt-in
-    assert settings.prewarm_enabled({}, default=True) is True  # a daemon on a GPU machine
-    assert settings.prewarm_enabled({"PRELOAD_LAUNCHER_PREWARM": "0"}, default=True) is False
-    with pytest.raises(ValueError):
-        settings.prewarm_enabled({"PRELOAD_LAUNCHER_PREWARM": "maybe"})
+def test_prewarm_defaults_on_only_where_asked_and_can_be_turned_off(monkeypatch):
+    from preload_launcher import cuda
+    from preload_launcher.client import ZygoteProcess
+
+    def prewarm(env, daemon, gpus):
+        monkeypatch.setattr(cuda, "nvml_device_count", lambda environ=None: gpus)
+        config = ZygoteProcess(["json"], env, daemon=daemon).config(-1, -1, -1)
+        return config.prewarm, config.prewarm_ranks
+
+    assert prewarm({}, daemon=False, gpus=2) == (False, 0)  # test lanes: opt-in
+    assert prewarm({}, daemon=True, gpus=0) == (False, 0)  # a daemon on a CPU machine
+    assert prewarm({}, daemon=True, gpus=2) == (True, 2)  # a daemon on a GPU machine
+    assert prewarm({"PRELOAD_LAUNCHER_PREWARM": "0"}, daemon=True, gpus=2)[0] is False
+    assert prewarm({"PRELOAD_LAUNCHER_PREWARM": "on", "PRELOAD_LAUNCHER_PREWARM_RANKS": "3"},
+                   daemon=False, gpus=0) == (True, 3)
+    with pytest.raises(ValueError, match="PRELOAD_LAUNCHER_PREWARM environment variable"):
+        prewarm({"PRELOAD_LAUNCHER_PREWARM": "maybe"}, daemon=False, gpus=0)

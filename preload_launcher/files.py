@@ -1,0 +1,36 @@
+"""The launcher's own files (verdicts, learned profiles, daemon metadata, sockets, logs)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+__all__ = ["read_json", "write_json", "unlink_all"]
+
+
+def read_json(path: str) -> Optional[dict]:
+    """The JSON object in ``path``; None when it is missing, unreadable or not an object."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write atomically (a reader sees the old file or the new one, never half of one)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def unlink_all(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

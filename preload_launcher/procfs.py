@@ -1,0 +1,59 @@
+"""What ``/proc`` says about a process: threads, memory and fds, for ``status`` and ``doctor``."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+__all__ = ["native_threads", "rss_kb", "fd_count", "tree_pss_kb"]
+
+
+def native_threads() -> dict[str, int]:
+    """Thread names of this process (``/proc/self/task/*/comm``) with their counts."""
+    names: dict[str, int] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
+def rss_kb() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def fd_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def tree_pss_kb(pid: int) -> int:
+    """PSS of a process and every process below it (ranks, their workers)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+                    break
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except (OSError, ValueError):
+        return total
+    return total + sum(tree_pss_kb(c) for c in children)

@@ -1,0 +1,269 @@
+"""The forked-process runtime: one way to fork, one set-up, one way to end.
+
+Every process the zygote family forks (a step, a pre-warmed child, a torchrun agent, a rank)
+starts in ``fork``, becomes its step through ``set_up`` and ends through ``exit_with`` — after
+``finish`` for a process that ran user code: what a program can observe of its own shutdown
+(threads joined, ``atexit``, output flushed), an exit report to whoever waits for it, then
+``os._exit``, skipping the seconds of module teardown a loaded stack costs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import fcntl
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, NoReturn, Optional
+
+from . import protocol
+from .command import StepSpec
+from .settings import Settings
+
+__all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
+           "exit_with", "die_with_parent", "close_fds"]
+
+PR_SET_PDEATHSIG = 1
+REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
+
+_report_fd: Optional[int] = None  # where this process reports its exit code (see report_exit)
+_report_pid = 0  # the process that owns it: a fork of the step inherits the fd, not the duty
+
+
+@dataclass
+class ZygoteState:
+    """What a forked process needs from the zygote to look like a fresh interpreter."""
+
+    base_path: list[str]  # sys.path of a fresh interpreter, without sys.path[0]
+    signal_handlers: dict[int, object]  # dispositions right after preload
+    zygote_fds: list[int] = field(default_factory=list)  # to close in the child
+    # Variables the preloaded modules set while importing (a fresh import would set them too).
+    env_set_by_preload: dict[str, str] = field(default_factory=dict)
+    learn_reports_dir: str = ""  # where a step reports the modules it imported ("" = off)
+    project: str = ""
+    spawn_executable: str = ""  # the spawn proxy multiprocessing runs instead of python
+    prewarm_cuda: str = "context"  # what a pre-warmed child makes ahead (settings)
+
+
+# ---------------------------------------------------------------- fork and exit
+
+def fork(body: Callable[[], int], new_group: bool = True) -> int:
+    """Fork; the child runs ``body`` and ends with its exit code, whatever happens. Returns the
+    child's pid. ``new_group``: the child leads its own process group, set on both sides so a
+    ``killpg`` right after the fork cannot miss it (ranks stay in their agent's group)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if new_group:
+                os.setpgid(0, 0)
+            code = body()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            exit_with(code)
+    if new_group:
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
+    return pid
+
+
+def exit_with(code: int) -> NoReturn:
+    """``os._exit`` for codes >= 0; a negative code -N ends the process by signal N, as the
+    parent's ``waitpid`` then reports it (python itself does this for KeyboardInterrupt)."""
+    if code < 0:
+        signum = -code
+        try:
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(signum, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+            os.kill(os.getpid(), signum)
+            time.sleep(5)
+        except (OSError, ValueError):
+            pass
+        code = 128 + signum
+    os._exit(code & 0xFF)
+
+
+def finish(code: int) -> int:
+    """Python's shutdown minus module teardown: join threads, atexit, flush, report. Returns the
+    exit code for ``exit_with`` (120 when flushing the output failed, as python does)."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except BaseException:
+            if code == 0:
+                code = 120
+    report_exit(code)
+    return code
+
+
+# ---------------------------------------------------------------- the exit report
+
+def keep_for_exit_report(fd: int) -> None:
+    """Keep ``fd`` (the caller's connection, or a rank's line to its agent) to report the exit
+    code on: moved out of the program's way and closed on exec, so spawned programs lack it."""
+    global _report_fd, _report_pid
+    if _report_fd is not None:  # a rank forked by its agent: the agent's line is not ours
+        os.close(_report_fd)
+    _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, REPORT_FD_MIN)
+    _report_pid = os.getpid()
+    os.close(fd)
+
+
+def report_exit(code: int) -> None:
+    """Report the exit code now, before the kernel tears the process down (with a CUDA context,
+    ~0.2 s the caller need not wait for). The step's output is closed first, so the caller has
+    all of it once the report arrives. A process that dies without reporting is reported by
+    whoever reaps it."""
+    global _report_fd
+    if _report_fd is None or os.getpid() != _report_pid:
+        return
+    fd, _report_fd = _report_fd, None
+    close_step_output(keep=fd)
+    protocol.send_event(fd, "exit", returncode=code)
+    os.close(fd)
+
+
+def close_step_output(keep: int) -> None:
+    """Close fds 0-2 and every other fd on the same pipes, so the reader sees EOF now."""
+    pipes = set()
+    for fd in (0, 1, 2):
+        try:
+            st = os.fstat(fd)
+            pipes.add((st.st_dev, st.st_ino))
+            os.close(fd)
+        except OSError:
+            pass
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if fd != keep and (st.st_dev, st.st_ino) in pipes:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------- set-up
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when the forking process dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def close_fds(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def restore_signals(handlers: dict[int, object]) -> None:
+    signal.set_wakeup_fd(-1)
+    for signum, handler in handlers.items():
+        try:
+            signal.signal(signum, handler)
+        except (OSError, ValueError, TypeError):
+            pass
+
+
+def attach_fds(fds: list[int], targets: list[int]) -> None:
+    """Install received fds at the numbers the program expects (``targets``; 0-2 are stdio),
+    keeping the Python stream objects: loggers created during preload hold ``sys.stderr``."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    # Out of the way first: a received fd may sit on another one's target number.
+    floor = max([*fds, *targets]) + 1
+    parked = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in fds]
+    close_fds(set(fds))
+    for fd, target in zip(parked, targets):
+        os.dup2(fd, target)
+    close_fds(parked)
+
+
+def redirect_to_files(stdout_file: str, stderr_file: str) -> None:
+    """torchrun's ``--redirects``/``--tee``: a rank writes to its log files ('' = the console)."""
+    for fd, path in ((1, stdout_file), (2, stderr_file)):
+        if path:
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+
+
+def coerce_c_locale() -> None:
+    """PEP 538: under the C/POSIX locale a fresh interpreter sets ``LC_CTYPE=C.UTF-8``."""
+    env = os.environ
+    if env.get("LC_ALL") or env.get("PYTHONCOERCECLOCALE") == "0":
+        return
+    ctype = env.get("LC_CTYPE") or env.get("LANG") or "C"
+    if ctype in ("C", "POSIX"):
+        env["LC_CTYPE"] = "C.UTF-8"
+
+
+def reseed_random_generators() -> None:
+    """Forked children share the zygote's RNG state; a fresh interpreter draws its own."""
+    import random
+    random.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "default_generator"):
+        torch.default_generator.seed()  # CPU only; CUDA generators are created lazily
+    mp_process = sys.modules.get("multiprocessing.process")
+    if mp_process is not None:
+        current = mp_process.current_process()
+        current.authkey = os.urandom(32)
+
+
+def use_spawn_proxy(executable: str) -> None:
+    """Interpreters this step's multiprocessing starts are forked by the zygote (spawn_proxy)."""
+    if executable and Settings.from_env().spawn:
+        import multiprocessing.spawn
+        multiprocessing.spawn.set_executable(executable)
+
+
+def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
+    """Everything between fork and user code, for a step and for each rank alike: signals,
+    fds, environment, cwd, random seeds. Raises OSError for cwd and stdio problems."""
+    die_with_parent()
+    restore_signals(state.signal_handlers)
+    close_fds(state.zygote_fds)
+    state.zygote_fds = []  # closed: their numbers may be reused from here on
+    if spec.fd_targets:
+        attach_fds(fds, spec.fd_targets)
+    else:  # stdin, then one output for stdout and stderr (interleaved, as with stderr=STDOUT)
+        attach_fds([fds[0], fds[1], fds[1]], [0, 1, 2])
+    os.environ.clear()
+    os.environ.update(spec.env)
+    for key, value in state.env_set_by_preload.items():
+        os.environ.setdefault(key, value)
+    coerce_c_locale()
+    os.chdir(spec.cwd)
+    reseed_random_generators()
+    use_spawn_proxy(state.spawn_executable)
+    redirect_to_files(spec.stdout_file, spec.stderr_file)
