@@ -433,11 +433,7 @@ class Agent:
     def finish(self, code: int) -> None:
         """Report the step's exit code, then wait for the ranks' processes to be gone: their
         CUDA teardown is off the caller's path, and no rank outlives its agent."""
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        runtime.flush_std_streams()
         runtime.report_exit(code)
         for sock in self.reports.values():
             sock.close()

@@ -81,10 +81,7 @@ class ZygoteProcess:
     def launch(self) -> "ZygoteProcess":
         """Start the zygote without waiting for its preload (see ``wait_ready``)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        unlink_all(self.socket_path)
         old_umask = os.umask(0o177)  # socket 0600
         try:
             listener.bind(self.socket_path)

@@ -87,13 +87,17 @@ def _read_frame(sock: socket.socket, first: bytes) -> dict:
         if not chunk:
             raise ProtocolError("connection closed mid-frame")
         buf += chunk
+    return _json_object(bytes(buf))
+
+
+def _json_object(data: bytes) -> dict:
     try:
-        request = json.loads(bytes(buf).decode("utf-8", "surrogatepass"))
+        message = json.loads(data.decode("utf-8", "surrogatepass"))
     except ValueError as err:
         raise ProtocolError(f"bad JSON: {err}") from None
-    if not isinstance(request, dict):
-        raise ProtocolError("request is not an object")
-    return request
+    if not isinstance(message, dict):
+        raise ProtocolError("not a JSON object")
+    return message
 
 
 def recv_request(sock: socket.socket) -> tuple[dict, list[int]]:
@@ -157,12 +161,7 @@ class EventReader:
         for line in lines:
             if not line.strip():
                 continue
-            try:
-                message = json.loads(line)
-            except ValueError as err:
-                raise ProtocolError(f"bad JSON line: {err}") from None
-            if not isinstance(message, dict):
-                raise ProtocolError("line is not an object")
+            message = _json_object(line)
             messages.append(_check(message, "event", EVENTS) if "event" in message
                             else _check(message, "op", OPS))
         return messages

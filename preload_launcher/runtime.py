@@ -56,8 +56,7 @@ def fork(body: Callable[[], int], new_group: bool = True) -> int:
     """Fork; the child runs ``body`` and ends with its exit code, whatever happens. Returns the
     child's pid. ``new_group``: the child leads its own process group, set on both sides so a
     ``killpg`` right after the fork cannot miss it (ranks stay in their agent's group)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    flush_std_streams()
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -94,6 +93,18 @@ def exit_with(code: int) -> NoReturn:
     os._exit(code & 0xFF)
 
 
+def flush_std_streams() -> bool:
+    """Flush ``sys.stdout`` and ``sys.stderr``; False when one could not be flushed."""
+    ok = True
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            ok = False
+    return ok
+
+
 def finish(code: int) -> int:
     """Python's shutdown minus module teardown: join threads, atexit, flush, report. Returns the
     exit code for ``exit_with`` (120 when flushing the output failed, as python does)."""
@@ -102,13 +113,8 @@ def finish(code: int) -> int:
     except BaseException:
         traceback.print_exc()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except BaseException:
-            if code == 0:
-                code = 120
+    if not flush_std_streams() and code == 0:
+        code = 120
     report_exit(code)
     return code
 
@@ -191,11 +197,7 @@ def restore_signals(handlers: dict[int, object]) -> None:
 def attach_fds(fds: list[int], targets: list[int]) -> None:
     """Install received fds at the numbers the program expects (``targets``; 0-2 are stdio),
     keeping the Python stream objects: loggers created during preload hold ``sys.stderr``."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_std_streams()
     # Out of the way first: a received fd may sit on another one's target number.
     floor = max([*fds, *targets]) + 1
     parked = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in fds]

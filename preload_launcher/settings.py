@@ -128,7 +128,8 @@ class Settings:
             max_ranks=r.number("PRELOAD_LAUNCHER_MAX_RANKS", int, 1024, minimum=1),
             probe=r.choice("PRELOAD_LAUNCHER_PROBE", PROBES, "libcuda"),
             cache_dir=r.raw("PRELOAD_LAUNCHER_CACHE_DIR") or os.path.join(
-                r.raw("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                r.raw("XDG_CACHE_HOME") or os.path.join(r.raw("HOME") or os.path.expanduser("~"),
+                                                        ".cache"),
                 "preload_launcher"),
             runtime_base=r.raw("XDG_RUNTIME_DIR") or "/tmp",
             quarantine=_quarantine(r.raw(QUARANTINE_ENV)),

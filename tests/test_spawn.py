@@ -6,6 +6,8 @@ import signal
 import subprocess
 import textwrap
 
+import pytest
+
 from conftest import PY, wait_gone
 from preload_launcher import spawn_proxy
 
@@ -93,7 +95,8 @@ def test_killed_proxy_takes_its_child_along(light, tmp_path):
     assert wait_gone(int(pidfile.read_text()))
 
 
-def test_switched_off_spawn_runs_the_real_interpreter(torch_launcher, tmp_path):
+@pytest.mark.parametrize("off", ["0", "false", "OFF"])
+def test_switched_off_spawn_runs_the_real_interpreter(torch_launcher, tmp_path, off):
     args = step(tmp_path, """
         import multiprocessing as mp, sys
 
@@ -106,7 +109,7 @@ def test_switched_off_spawn_runs_the_real_interpreter(torch_launcher, tmp_path):
             p = ctx.Process(target=child, args=(q,))
             p.start(); print("torch loaded:", q.get(timeout=60)); p.join()
     """)
-    result = torch_launcher.run(args, env=dict(os.environ, PRELOAD_LAUNCHER_SPAWN="0"), timeout=120)
+    result = torch_launcher.run(args, env=dict(os.environ, PRELOAD_LAUNCHER_SPAWN=off), timeout=120)
     assert "torch loaded: False" in result.stdout, result.stdout
 
 
