@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The test command: installs what it needs, then runs the whole suite.
+# The test command: installs what it needs, runs the whole suite, then the core suite (every
+# test that needs no torch) on the other Pythons the project supports, where pyenv has them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec ${PYTHON:-python3} -m pytest -q "$@"
+${PYTHON:-python3} -m pytest -q "$@"
+bash scripts/test_other_pythons.sh

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,6 +16,19 @@ PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
 PY = sys.executable
 
 pytest_plugins = ["pytester"]
+
+TORCH_FIXTURES = {"torch_launcher", "warm_torch_launcher"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that need torch (its fixtures, or marked ``needs_torch``) are skipped where it is
+    not installed: the core suite also runs on the Pythons the stack has no CPU build for."""
+    have_torch = importlib.util.find_spec("torch") is not None
+    for item in items:
+        if TORCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker("needs_torch")
+        if not have_torch and item.get_closest_marker("needs_torch"):
+            item.add_marker(pytest.mark.skip(reason="needs torch (not installed for this Python)"))
 
 
 def program(name: str) -> str:

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 from preload_launcher.command import StepSpec, Unsupported, parse_command, parse_python_argv
 
 ENV = dict(os.environ)
@@ -32,6 +34,7 @@ def test_unknown_or_unsafe_forms_fall_back():
     assert isinstance(parse_command(["/no/such/python3", "s.py"], ENV, "/tmp"), Unsupported)
 
 
+@pytest.mark.needs_torch
 def test_torchrun_forms():
     spec = parse_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "s.py"],
                          ENV, "/tmp")

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import PY, plain, program
 
+pytestmark = pytest.mark.needs_torch
+
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 VARYING = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 

@@ -7,6 +7,8 @@ from preload_launcher import Launcher
 
 from conftest import PY, program
 
+pytestmark = pytest.mark.needs_torch
+
 STACK = ["torch", "megatron.core", "modelopt.torch"]
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
