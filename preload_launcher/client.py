@@ -57,7 +57,9 @@ class ZygoteProcess:
                  daemon: bool = False, project: Optional[str] = None) -> None:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
-        self.env = {k: v for k, v in env.items() if not k.startswith(COVERAGE_ENV_PREFIXES)}
+        # Per-test variables are the step's business, never the preload's.
+        self.env = {k: v for k, v in env.items()
+                    if not k.startswith(COVERAGE_ENV_PREFIXES) and k not in settings.PER_TEST_ENV}
         self.settings = Settings.from_env(env)
         self.cache_dir = cache_dir or self.settings.cache_dir
         runtime = settings.runtime_dir()

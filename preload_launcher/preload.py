@@ -30,8 +30,9 @@ from typing import Callable, Iterator, Optional
 from . import learn
 from .files import read_json, write_json
 from .cuda import PRELOAD_ENV, DriverProbe, cuda_safe_imports, torch_cuda_initialized
+from .deferral import Blocker, top_level
 from .procfs import native_threads
-from .settings import IMPORT_ENV_KEYS, QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
+from .settings import IMPORT_ENV_KEYS, PER_TEST_ENV, QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
 
 __all__ = ["PreloadReport", "EntryReport", "Preloader", "Quarantined", "preload", "VerdictCache",
            "StalenessWatch", "freeze_image", "package_fingerprint"]
@@ -39,6 +40,7 @@ __all__ = ["PreloadReport", "EntryReport", "Preloader", "Quarantined", "preload"
 log = logging.getLogger(__name__)
 
 LEARNED = "learned:"  # verdict-cache prefix for learned packages
+DEFER = "defer:"  # verdict-cache prefix for deferred packages
 MAX_LEARNED_QUARANTINES = 5
 
 
@@ -95,6 +97,8 @@ class EntryReport:
     driver_initialized: bool = False
     culprit: str = ""
     chain: list[str] = field(default_factory=list)
+    deferrable: str = ""  # the package to defer instead of the entry, if any
+    missing: str = ""  # the module an ImportError named
 
 
 @dataclass
@@ -107,6 +111,7 @@ class PreloadReport:
     seconds: float = 0.0
     import_env: dict[str, Optional[str]] = field(default_factory=dict)
     dirty_entry: str = ""  # set when an entry left the process unfit to fork
+    deferred: dict[str, dict] = field(default_factory=dict)  # package -> verdict + cut imports
     learned: dict = field(default_factory=dict)  # the learned preload's summary
 
     @property
@@ -120,11 +125,13 @@ class PreloadReport:
 
 
 class _CulpritHook:
-    """Wraps ``__import__`` to catch the first import after which the driver is initialised."""
+    """Wraps ``__import__`` to catch the first import after which the driver is initialised,
+    and keeps the live stack of imports (what each was, who asked, for which names)."""
 
     def __init__(self, probe: DriverProbe) -> None:
         self.probe = probe
         self.stack: list[str] = []
+        self.frames: list[tuple] = []  # (module, importer, fromlist), parallel to ``stack``
         self.culprit = ""
         self.chain: list[str] = []
         self._original = builtins.__import__
@@ -138,10 +145,12 @@ class _CulpritHook:
             except (ImportError, ValueError):
                 pass
         self.stack.append(label)
+        self.frames.append((label, (globals or {}).get("__name__", ""), tuple(fromlist or ())))
         try:
             return self._original(name, globals, locals, fromlist, level)
         finally:
             self.stack.pop()
+            self.frames.pop()
             if not self.culprit and self.probe.initialized():
                 self.culprit = label
                 self.chain = _dedupe(self.stack + [label])
@@ -162,17 +171,24 @@ def _dedupe(names: list[str]) -> list[str]:
     return out
 
 
-def import_entry(module: str, probe: DriverProbe) -> EntryReport:
+def import_entry(module: str, probe: DriverProbe, blocker: Optional[Blocker] = None) -> EntryReport:
     """Import one preload entry and record what it did to the process."""
     report = EntryReport(module=module)
     threads_before = sum(native_threads().values())
+    loaded_before = {top_level(m) for m in sys.modules}
     start = time.perf_counter()
     with _CulpritHook(probe) as hook:
+        if blocker is not None:
+            blocker.frames = hook.frames
         try:
             importlib.import_module(module)
             report.ok = True
         except BaseException as exc:  # a failed preload is reported, never fatal
             report.error = f"{type(exc).__name__}: {exc}"
+            report.missing = getattr(exc, "name", None) or "" if isinstance(exc, ImportError) else ""
+        finally:
+            if blocker is not None:
+                blocker.frames = None
     report.seconds = round(time.perf_counter() - start, 3)
     report.native_threads_added = sum(native_threads().values()) - threads_before
     report.python_threads = [t.name for t in threading.enumerate()
@@ -183,26 +199,60 @@ def import_entry(module: str, probe: DriverProbe) -> EntryReport:
         report.culprit = hook.culprit or module
         # import_module() bypasses __import__, so the entry itself heads the chain here.
         report.chain = _dedupe([module] + hook.chain)
+        report.deferrable = deferrable_package(report.chain, loaded_before)
     return report
 
 
-def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict]) -> PreloadReport:
-    """Import ``modules`` in order; stop at the first that makes the process unfit to fork."""
+def deferrable_package(chain: list[str], loaded_before: set[str]) -> str:
+    """The package to defer for a culprit reached through ``chain``: the first one on the way
+    from another distribution than the entry's that was not loaded before ('' when none)."""
+    entry_package = top_level(chain[0])
+    for module in chain[1:]:
+        package = top_level(module)
+        if package != entry_package and package not in loaded_before:
+            return package
+    return ""
+
+
+def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
+            blocker: Optional[Blocker] = None) -> PreloadReport:
+    """Import ``modules`` in order; stop at the first that makes the process unfit to fork.
+
+    Entries in ``skip`` are quarantined, and so are their submodules (importing one runs the
+    quarantined ``__init__`` again). An entry that fails only because it needs a deferred
+    package without a guard is quarantined too (``report.quarantined``); the process stays
+    clean, so this costs no restart."""
     report = PreloadReport(requested=list(modules), probe=probe.name)
-    report.quarantined = dict(skip)
+    report.quarantined = {k: v for k, v in skip.items() if not k.startswith(DEFER)}
     start = time.perf_counter()
     with cuda_safe_imports() as nvml:
         report.nvml_answers = nvml
         for module in modules:
-            if module in skip:
+            if _quarantined(module, report.quarantined):
                 continue
-            entry = import_entry(module, probe)
+            entry = import_entry(module, probe, blocker)
             report.entries.append(entry)
             if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
                 report.dirty_entry = module
                 break
+            if blocker is not None and top_level(entry.missing) in blocker.packages:
+                report.quarantined[module] = unguarded_verdict(entry, skip)
     report.seconds = round(time.perf_counter() - start, 3)
     return report
+
+
+def _quarantined(module: str, quarantined: dict) -> bool:
+    return any(module == q or module.startswith(q + ".") for q in quarantined)
+
+
+def unguarded_verdict(entry: EntryReport, skip: dict) -> dict:
+    """An entry that imports a deferred package without a guard: it cannot be preloaded."""
+    package = top_level(entry.missing)
+    deferred = skip.get(DEFER + package, {})
+    return {"culprit": deferred.get("culprit", package),
+            "chain": deferred.get("chain", [entry.module, package]),
+            "reason": f"{deferred.get('reason', 'initialised CUDA')}; {entry.module} imports "
+                      f"{package} without a guard, so {package} cannot be deferred"}
 
 
 def preload_learned(modules: list[str], probe: DriverProbe,
@@ -295,7 +345,9 @@ class Preloader:
         self.cache = VerdictCache(config.cache_dir, f"{self.fingerprint}-{probe.name}")
         self.skip = dict(settings.quarantine)
         self.skip.update({k: v for k, v in self.cache.get().items()
-                          if k in config.modules or k.startswith(LEARNED)})
+                          if k in config.modules or k.startswith((LEARNED, DEFER))})
+        self.blocker = Blocker(k[len(DEFER):] for k in self.skip if k.startswith(DEFER))
+        sys.meta_path.insert(0, self.blocker)  # for the zygote's whole life
         self.env_set_by_preload: dict[str, str] = {}
         self.learn_reports_dir = ""
 
@@ -304,21 +356,39 @@ class Preloader:
         imports read (a zygote serves only steps that agree on them) and which they set."""
         start_env = dict(os.environ)
         with recording_env_reads() as keys:
-            report = preload(self.config.modules, self.probe, self.skip)
+            report = preload(self.config.modules, self.probe, self.skip, self.blocker)
+            for name, verdict in report.quarantined.items():
+                if name not in self.skip:  # found unguarded just now: remembered, no restart
+                    self.cache.put(name, verdict)
             if report.dirty_entry:
                 self.quarantine(report.entries[-1], report.dirty_entry)
             if self.config.learn:
                 report.learned = self.preload_learned()
-        keys = (keys | set(IMPORT_ENV_KEYS)) - {*PRELOAD_ENV, QUARANTINE_ENV, RESTARTED_ENV}
+        report.deferred = self.deferred()
+        keys = (keys | set(IMPORT_ENV_KEYS)) - {*PRELOAD_ENV, *PER_TEST_ENV, QUARANTINE_ENV,
+                                                RESTARTED_ENV}
         # What the imports saw, not what they left: some set variables while importing.
         report.import_env = {k: start_env.get(k) for k in sorted(keys)}
         self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
         return report
 
     def quarantine(self, entry: EntryReport, name: str) -> None:
+        """Defer the culprit's package when it is another distribution's (the entry stays), else
+        quarantine the entry; remember it, and restart without it."""
         verdict = verdict_for(entry)
+        if (entry.deferrable and not name.startswith(LEARNED)
+                and DEFER + entry.deferrable not in self.skip):
+            name = DEFER + entry.deferrable
+            verdict["entry"] = entry.module
         self.cache.put(name, verdict)
         raise Quarantined({**self.skip, name: verdict}, name)
+
+    def deferred(self) -> dict[str, dict]:
+        """Each deferred package: its verdict and the guarded imports the block cut off."""
+        cuts = self.blocker.cut_imports()
+        return {package: {**self.skip[DEFER + package],
+                          "cut": [c.to_dict() for c in cuts.get(package, [])]}
+                for package in sorted(self.blocker.packages)}
 
     def preload_learned(self) -> dict:
         """Modules earlier steps imported, within the budget, under the same CUDA-clean rules."""
@@ -336,7 +406,7 @@ class Preloader:
             profile.save()
             return {"disabled": f"{len(refused)} learned packages quarantined"}
         modules = [m for m in profile.to_preload(exclude=set(self.config.modules))
-                   if m.partition(".")[0] not in refused]
+                   if top_level(m) not in refused | self.blocker.packages]
         summary, dirty = preload_learned(modules, self.probe, self.config.learn_budget_s)
         for module, seconds in summary.pop("costs").items():
             profile.record_cost(module, seconds)

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional
 
-from . import protocol
+from . import deferral, protocol
 from .command import StepSpec
 from .settings import Settings
 
@@ -48,6 +48,7 @@ class ZygoteState:
     project: str = ""
     spawn_executable: str = ""  # the spawn proxy multiprocessing runs instead of python
     prewarm_cuda: str = "context"  # what a pre-warmed child makes ahead (settings)
+    deferred: dict[str, list[dict]] = field(default_factory=dict)  # package -> cut imports
 
 
 # ---------------------------------------------------------------- fork and exit
@@ -267,5 +268,6 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
     coerce_c_locale()
     os.chdir(spec.cwd)
     reseed_random_generators()
+    deferral.install_for_step(state.deferred, Settings.from_env().deferred)
     use_spawn_proxy(state.spawn_executable)
     redirect_to_files(spec.stdout_file, spec.stderr_file)

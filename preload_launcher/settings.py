@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "ZygoteConfig", "parse_bool",
-           "preload_modules", "runtime_dir", "QUARANTINE_ENV", "RESTARTED_ENV"]
+           "preload_modules", "runtime_dir", "QUARANTINE_ENV", "RESTARTED_ENV", "PER_TEST_ENV"]
 
 DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch")
 
@@ -24,12 +24,17 @@ IMPORT_ENV_KEYS = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBA
                    "PYTHONSAFEPATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
                    "PRELOAD_LAUNCHER_PROBE")
 
+# Set per test by pytest: never in a zygote's environment, never import-relevant (torch_geometric
+# allocates CUDA tensors at import when it is set, pyg#10582).
+PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
+
 # Set by the zygote for its own re-exec: the quarantine so far, and "restarted after a change".
 QUARANTINE_ENV = "_PRELOAD_LAUNCHER_QUARANTINE"
 RESTARTED_ENV = "_PRELOAD_LAUNCHER_RESTARTED"
 
 PREWARM_CUDA_LEVELS = ("context", "kernels", "0")
 PROBES = ("libcuda", "fake")
+DEFERRED_MODES = ("lazy", "eager")
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -101,6 +106,7 @@ class Settings:
     prewarm: Optional[bool] = None  # PRELOAD_LAUNCHER_PREWARM (None: the caller's default)
     prewarm_ranks: Optional[int] = None  # PRELOAD_LAUNCHER_PREWARM_RANKS (None: one per GPU)
     prewarm_cuda: str = "context"  # PRELOAD_LAUNCHER_PREWARM_CUDA: context, kernels or 0
+    deferred: str = "lazy"  # PRELOAD_LAUNCHER_DEFERRED: when a step replays deferred imports
     spawn: bool = True  # PRELOAD_LAUNCHER_SPAWN: serve a step's spawned interpreters
     learn: bool = True  # PRELOAD_LAUNCHER_LEARN
     learn_budget_s: float = 60.0  # PRELOAD_LAUNCHER_LEARN_BUDGET_S
@@ -122,6 +128,7 @@ class Settings:
             prewarm=r.flag("PRELOAD_LAUNCHER_PREWARM", None),
             prewarm_ranks=r.number("PRELOAD_LAUNCHER_PREWARM_RANKS", int, None),
             prewarm_cuda=r.choice("PRELOAD_LAUNCHER_PREWARM_CUDA", PREWARM_CUDA_LEVELS, "context"),
+            deferred=r.choice("PRELOAD_LAUNCHER_DEFERRED", DEFERRED_MODES, "lazy"),
             spawn=r.flag("PRELOAD_LAUNCHER_SPAWN", True),
             learn=r.flag("PRELOAD_LAUNCHER_LEARN", True),
             learn_budget_s=r.number("PRELOAD_LAUNCHER_LEARN_BUDGET_S", float, 60.0),

@@ -247,7 +247,9 @@ class Zygote:
         return runtime.ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others,
                                    self.env_set_by_preload, self.learn_reports_dir,
                                    self.config.project, self.spawn_executable,
-                                   self.settings.prewarm_cuda)
+                                   self.settings.prewarm_cuda,
+                                   {package: info["cut"] for package, info in
+                                    (self.report.deferred if self.report else {}).items()})
 
     def fill_warm_pool(self) -> None:
         if (self.warm and not self.stopping and not self.restart_reason
