@@ -77,6 +77,7 @@ def format_doctor(status: dict) -> str:
     for entry, verdict in report.get("quarantined", {}).items():
         lines.append(f"QUARANTINED {entry}: {verdict['reason']}; culprit {verdict['culprit']} via "
                      f"{' -> '.join(verdict['chain'])}")
+    lines.extend(format_deferred(report.get("deferred", {})))
     lines.append("")
     lines.append(f"final preload set: {', '.join(report.get('loaded', [])) or '(none)'}")
     lines.append(format_learned(report.get("learned", {})))
@@ -85,6 +86,20 @@ def format_doctor(status: dict) -> str:
                  f"({', '.join(f'{k}×{v}' for k, v in sorted(threads.items()))})")
     lines.append(f"zygote RSS: {status.get('rss_kb', 0) / 1024:.0f} MiB")
     return "\n".join(lines)
+
+
+def format_deferred(deferred: dict, indent: str = "") -> list[str]:
+    """Deferred packages: why, and the guarded imports each step replays."""
+    lines = []
+    for package, info in deferred.items():
+        lines.append(f"{indent}DEFERRED {package}: {info['reason']}; culprit {info['culprit']} via "
+                     f"{' -> '.join(info['chain'])}; {info.get('entry', 'its importer')} stays "
+                     "preloaded")
+        for cut in info.get("cut", []):
+            names = ", ".join(cut["fromlist"]) or "(module)"
+            lines.append(f"{indent}  replayed in steps: from {cut['module']} import {names} "
+                         f"(in {cut['importer']})")
+    return lines
 
 
 def format_learned(learned: dict) -> str:
@@ -172,6 +187,7 @@ def format_status(status: dict) -> str:
              f"{status['steps_pss_kb'] / 1024:.0f} MiB"]
     for entry, verdict in report.get("quarantined", {}).items():
         lines.append(f"quarantined: {entry} ({verdict['reason']}; culprit {verdict['culprit']})")
+    lines.extend(format_deferred(report.get("deferred", {})))
     lines.append("stale: " + (", ".join(status["stale"][:5]) if status["stale"] else "no"))
     return "\n".join(lines)
 

@@ -255,9 +255,11 @@ def unguarded_verdict(entry: EntryReport, skip: dict) -> dict:
                       f"{package} without a guard, so {package} cannot be deferred"}
 
 
-def preload_learned(modules: list[str], probe: DriverProbe,
-                    budget: float) -> tuple[dict, Optional[EntryReport]]:
-    """Import learned modules until the time budget is spent; stop at the first dirty one.
+def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
+                    keep_going: Callable[[], bool] = lambda: True
+                    ) -> tuple[dict, Optional[EntryReport]]:
+    """Import learned modules until the time budget is spent or ``keep_going()`` says stop;
+    stop at the first dirty one.
 
     Returns a summary (with each module's cost) and, when one made the process unfit to fork,
     its report."""
@@ -267,12 +269,15 @@ def preload_learned(modules: list[str], probe: DriverProbe,
     dirty = None
     with cuda_safe_imports():
         for i, module in enumerate(modules):
-            if time.perf_counter() - start >= budget:
-                summary["over_budget"] = len(modules) - i
-                break
             if module in sys.modules:
                 summary["loaded"] += 1
                 continue
+            if time.perf_counter() - start >= budget:
+                summary["over_budget"] = len(modules) - i
+                break
+            if not keep_going():
+                summary["interrupted"] = True
+                break
             entry = import_entry(module, probe)
             summary["loaded" if entry.ok else "failed"] += 1
             summary["costs"][module] = entry.seconds
@@ -350,6 +355,8 @@ class Preloader:
         sys.meta_path.insert(0, self.blocker)  # for the zygote's whole life
         self.env_set_by_preload: dict[str, str] = {}
         self.learn_reports_dir = ""
+        self.profile: Optional[learn.Profile] = None  # set while learning is on
+        self.learn_spent_s = 0.0
 
     def run(self) -> PreloadReport:
         """Preload; raises ``Quarantined`` when an entry must go. Records which variables the
@@ -393,29 +400,50 @@ class Preloader:
     def preload_learned(self) -> dict:
         """Modules earlier steps imported, within the budget, under the same CUDA-clean rules."""
         project = self.config.project
-        profile = learn.Profile(self.config.cache_dir, learn.profile_key(project), project)
-        if profile.check_packages(self.fingerprint):
+        self.profile = learn.Profile(self.config.cache_dir, learn.profile_key(project), project)
+        if self.profile.check_packages(self.fingerprint):
             self.log("installed packages changed: the learned preload starts over")
-        profile.merge_reports()
-        self.learn_reports_dir = profile.reports_dir
+        self.profile.merge_reports()
+        self.learn_reports_dir = self.profile.reports_dir
+        if len(self.refused) > MAX_LEARNED_QUARANTINES:
+            self.log("learned preload off: %d learned packages dirtied the zygote", len(self.refused))
+            self.profile.save()
+            self.profile = None
+            return {"disabled": f"{len(self.refused)} learned packages quarantined"}
+        summary = self.learn(lambda: True)
+        summary["quarantined"] = sorted(self.refused)
+        summary["profile"] = self.profile.path
+        return summary
+
+    @property
+    def refused(self) -> set[str]:
         # Verdicts name top-level packages: importing any module of a package runs its
         # __init__ chain, so one dirty module rules out its package, not learning as a whole.
-        refused = {k[len(LEARNED):] for k in self.skip if k.startswith(LEARNED)}
-        if len(refused) > MAX_LEARNED_QUARANTINES:
-            self.log("learned preload off: %d learned packages dirtied the zygote", len(refused))
-            profile.save()
-            return {"disabled": f"{len(refused)} learned packages quarantined"}
-        modules = [m for m in profile.to_preload(exclude=set(self.config.modules))
-                   if top_level(m) not in refused | self.blocker.packages]
-        summary, dirty = preload_learned(modules, self.probe, self.config.learn_budget_s)
+        return {k[len(LEARNED):] for k in self.skip if k.startswith(LEARNED)}
+
+    def learn(self, keep_going: Callable[[], bool]) -> dict:
+        """Import the learned modules this process lacks while ``keep_going()`` and the budget
+        (for the zygote's whole life) allow; raises ``Quarantined`` for a dirty one."""
+        modules = [m for m in self.profile.to_preload(exclude=set(self.config.modules))
+                   if top_level(m) not in self.refused | self.blocker.packages]
+        budget = self.config.learn_budget_s - self.learn_spent_s
+        summary, dirty = preload_learned(modules, self.probe, budget, keep_going)
+        self.learn_spent_s += summary["seconds"]
+        summary["imported"] = len(summary["costs"])
         for module, seconds in summary.pop("costs").items():
-            profile.record_cost(module, seconds)
-        profile.save()
+            self.profile.record_cost(module, seconds)
+        self.profile.save()
         if dirty is not None:
-            self.quarantine(dirty, LEARNED + dirty.module.partition(".")[0])
-        summary["quarantined"] = sorted(refused)
-        summary["profile"] = profile.path
+            self.quarantine(dirty, LEARNED + top_level(dirty.module))
         return summary
+
+    def learn_while_idle(self, idle: Callable[[], bool]) -> dict:
+        """What finished steps imported that this zygote lacks, imported now, one module at a
+        time while ``idle()``: later steps of the same session profit from earlier ones."""
+        if self.profile is None:
+            return {"imported": 0}
+        self.profile.merge_reports()
+        return self.learn(idle)
 
 
 def freeze_image() -> None:

@@ -14,7 +14,7 @@ from typing import Optional
 import pytest
 
 from . import client, settings
-from .cli import format_learned
+from .cli import format_deferred, format_learned
 
 PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"
 MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
@@ -92,6 +92,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
                       f" in {report['seconds']:.1f} s")
         for entry, verdict in report.get("quarantined", {}).items():
             tr.write_line(f"  quarantined {entry}: {verdict['reason']} ({verdict['culprit']})")
+        for line in format_deferred(report.get("deferred", {}), indent="  "):
+            tr.write_line(line)
         tr.write_line("  " + format_learned(report.get("learned", {})))
         failed = [e["module"] for e in report.get("entries", []) if not e["ok"]]
         if failed:

@@ -65,29 +65,39 @@ class Zygote:
         self.warm = WarmPool(config.prewarm_ranks, self.child_state) if config.prewarm else None
         self.restart_reason = ""
         self.spawn_executable = ""
+        self.preloader: Optional[Preloader] = None
+        self.announced = False  # the starter has our status; the ready fd is closed
+        self.learn_due = False  # a step finished: what it imported may be worth learning
 
     # -------------------------------------------------------------- start-up
 
     def start(self) -> None:
-        os.environ.pop(QUARANTINE_ENV, None)
-        preloader = Preloader(self.config, self.settings, self.probe, log=say)
+        for key in (QUARANTINE_ENV, RESTARTED_ENV):  # read into settings; not for the steps
+            os.environ.pop(key, None)
+        self.announced = self.settings.restarted
+        self.preloader = Preloader(self.config, self.settings, self.probe, log=say)
         try:
-            self.report = preloader.run()
+            self.report = self.preloader.run()
         except Quarantined as verdict:
-            say("%s; restarting without it", verdict)
-            os.environ[QUARANTINE_ENV] = json.dumps(verdict.skip)
-            self.reexec()
-        self.env_set_by_preload = preloader.env_set_by_preload
-        self.learn_reports_dir = preloader.learn_reports_dir
+            self.restart_without(verdict)
+        self.env_set_by_preload = self.preloader.env_set_by_preload
+        self.learn_reports_dir = self.preloader.learn_reports_dir
         self.snapshot_signals()  # after preload: handlers that imports install are kept
         self.install_spawn_proxy()
         freeze_image()
         self.announce_ready()
 
+    def restart_without(self, verdict: Quarantined) -> None:
+        say("%s; restarting without it", verdict)
+        os.environ[QUARANTINE_ENV] = json.dumps(verdict.skip)
+        self.reexec()
+
     def reexec(self) -> None:
         """Re-execute: the pid, socket and pipes survive, the preloaded image does not."""
         fds = [self.config.listen_fd, self.config.alive_fd]
-        if not self.settings.restarted:
+        if self.announced:
+            os.environ[RESTARTED_ENV] = "1"  # the new image must not announce again
+        else:
             fds.append(self.config.ready_fd)
         for fd in fds:
             if fd >= 0:
@@ -117,11 +127,12 @@ class Zygote:
 
     def announce_ready(self) -> None:
         self.watch = StalenessWatch() if self.config.daemon else None
-        if os.environ.pop(RESTARTED_ENV, None):
-            say("restarted after a change; serving again")
+        if self.announced:
+            say("restarted; serving again")
             return  # the starter heard from us already; this fd number is not ours any more
         protocol.send_event(self.config.ready_fd, "status", **self.status())
         os.close(self.config.ready_fd)
+        self.announced = True
 
     def status(self) -> dict:
         return {
@@ -158,7 +169,10 @@ class Zygote:
         self.selector.register(sig_r, selectors.EVENT_READ, "signal")
         self.fill_warm_pool()
         while not self.stopping:
-            for key, _ in self.selector.select():
+            events = self.selector.select(0 if self.learn_due and not self.steps else None)
+            if not events:
+                self.learn_while_idle()
+            for key, _ in events:
                 if key.data == "accept":
                     self.accept()
                 elif key.data == "signal":
@@ -170,6 +184,22 @@ class Zygote:
                     self.on_step_conn(key.data)
         for running in list(self.steps.values()):
             _killpg(running.pid, signal.SIGKILL)
+
+    def learn_while_idle(self) -> None:
+        """Import what finished steps imported and this zygote lacks, one module at a time,
+        until a request comes in (the same CUDA-clean rules and budget as at start-up)."""
+        self.learn_due = False
+        try:
+            summary = self.preloader.learn_while_idle(lambda: not self.selector.select(0))
+        except Quarantined as verdict:
+            signal.set_wakeup_fd(-1)
+            self.restart_without(verdict)
+        self.learn_due = summary.get("interrupted", False)  # go on at the next idle moment
+        if summary["imported"]:
+            freeze_image()
+            learned = self.report.learned
+            learned["in_session"] = learned.get("in_session", 0) + summary["imported"]
+            say("learned %d modules while idle (%.2f s)", summary["imported"], summary["seconds"])
 
     def request_stop(self, why: str) -> None:
         say("stopping: %s", why)
@@ -292,6 +322,7 @@ class Zygote:
             if self.warm:
                 self.warm.reaped(info.si_pid)
             self.report_exit(info.si_pid, os.waitstatus_to_exitcode(status))
+        self.learn_due = bool(self.learn_reports_dir)
         self.restart_if_idle()
 
     def report_exit(self, pid: int, code: int) -> None:
@@ -311,7 +342,6 @@ class Zygote:
         """A stale daemon re-executes itself once no step of the old image is running."""
         if self.restart_reason and not self.steps:
             say("restarting: %s", self.restart_reason)
-            os.environ[RESTARTED_ENV] = "1"
             signal.set_wakeup_fd(-1)
             self.reexec()
 
