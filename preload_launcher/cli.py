@@ -1,4 +1,4 @@
-"""Stage 6: ``preload-launcher run|doctor|serve|status|stop|learned``. Builds requests and calls
+"""Stage 6: ``preload-launcher run|doctor|serve|status|stop|learned|profile``. Builds requests and calls
 the client; never forks."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Optional
 
 
 from . import daemon, learn, settings
+from .preload import VerdictCache, package_fingerprint
+from .profiles import write_profile
 from .client import Launcher, ZygoteProcess
 from .result import LauncherError
 
@@ -140,6 +142,24 @@ def cmd_learned(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Write a portable profile: this package set's verdicts and the learned modules."""
+    s = settings.Settings.from_env()
+    project = os.path.abspath(args.project or os.getcwd())
+    fingerprint = package_fingerprint(sys.path[1:])  # as the zygote sees them: no sys.path[0]
+    verdicts = {k: v for k, v in VerdictCache(s.cache_dir, f"{fingerprint}-{s.probe}").get().items()
+                if not v.get("cleared")}
+    learned = learn.Profile(s.cache_dir, learn.profile_key(project), project)
+    learned.merge_reports()
+    learned.save()
+    write_profile(args.write, fingerprint, s.probe, verdicts, list(learned.data["modules"]),
+                  list(learned.data["pinned"]))
+    print(f"preload-launcher: wrote {args.write}: {len(verdicts)} verdicts "
+          f"({', '.join(sorted(verdicts)) or 'none'}), {len(learned.data['modules'])} learned "
+          f"modules, package fingerprint {fingerprint}")
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     modules = settings.preload_modules(args.preload)
     zygote = ZygoteProcess(modules, os.environ)
@@ -244,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     learned.add_argument("--forget", action="append", metavar="MODULE")
     learned.add_argument("--clear", action="store_true", help="forget everything learned")
     learned.add_argument("--top", type=int, default=20, help="show the N costliest")
+    profile = sub.add_parser("profile", help="write a portable profile for fresh machines")
+    profile.add_argument("--write", required=True, metavar="FILE",
+                         help="where to write it (use it with PRELOAD_LAUNCHER_PROFILE=FILE)")
+    profile.add_argument("--project", default=None, help="project root (default: cwd)")
     stop = sub.add_parser("stop", help="stop a daemon and the steps it runs")
     stop.add_argument("--preload", default=None)
     stop.add_argument("--all", action="store_true")
@@ -255,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
     return {"run": cmd_run, "doctor": cmd_doctor, "serve": cmd_serve, "status": cmd_status,
-            "stop": cmd_stop, "learned": cmd_learned}[args.verb](args)
+            "stop": cmd_stop, "learned": cmd_learned, "profile": cmd_profile}[args.verb](args)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ class ZygoteProcess:
 
     def __init__(self, modules: Sequence[str], env: Mapping[str, str],
                  cache_dir: Optional[str] = None, socket_path: Optional[str] = None,
-                 daemon: bool = False, project: Optional[str] = None) -> None:
+                 daemon: bool = False, project: Optional[str] = None,
+                 profile: Optional[str] = None) -> None:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
         # Per-test variables are the step's business, never the preload's.
@@ -71,6 +72,8 @@ class ZygoteProcess:
         self.log_path = self.socket_path[:-5] + ".log"
         self.daemon = daemon
         self.project = os.path.abspath(project or os.getcwd())
+        profile = profile or self.settings.profile
+        self.profile = os.path.abspath(profile) if profile else ""
         self.process: Optional[subprocess.Popen] = None
         self.status: dict = {}
         self._alive_w = -1
@@ -119,7 +122,8 @@ class ZygoteProcess:
                             socket_path=self.socket_path, cache_dir=self.cache_dir,
                             project=self.project, alive_fd=alive_fd, daemon=self.daemon,
                             learn=s.learn, learn_budget_s=s.learn_budget_s, prewarm=prewarm,
-                            prewarm_ranks=s.prewarm_ranks if s.prewarm_ranks is not None else gpus)
+                            prewarm_ranks=s.prewarm_ranks if s.prewarm_ranks is not None else gpus,
+                            profile=self.profile)
 
     def wait_ready(self) -> dict:
         """Block until the preload finished; returns the zygote's status."""
@@ -351,9 +355,10 @@ class Launcher:
     """Zygotes by preload set and import-relevant environment, reused across steps."""
 
     def __init__(self, modules: Optional[Sequence[str]] = None, max_zygotes: int = 3,
-                 project: Optional[str] = None) -> None:
+                 project: Optional[str] = None, profile: Optional[str] = None) -> None:
         self.modules = tuple(modules) if modules is not None else None
         self.project = project  # where learned-preload profiles are keyed (default: cwd)
+        self.profile = profile  # a portable profile to start zygotes from (else the env's)
         self.max_zygotes = max_zygotes
         self.zygotes: list[ZygoteProcess] = []
         self.stats = {"zygote": 0, "subprocess": 0, "reasons": {}}
@@ -378,7 +383,7 @@ class Launcher:
             if len(self.zygotes) >= self.max_zygotes:
                 oldest = self.zygotes.pop(0)
                 oldest.close()
-            z = ZygoteProcess(modules, env, project=self.project).launch()
+            z = ZygoteProcess(modules, env, project=self.project, profile=self.profile).launch()
             self.zygotes.append(z)
         z.wait_ready()
         return z
@@ -387,7 +392,8 @@ class Launcher:
         """Launch a zygote in the background (its preload overlaps the caller's work)."""
         env = dict(os.environ if env is None else env)
         with self._lock:
-            z = ZygoteProcess(list(self.preload_set()), env, project=self.project).launch()
+            z = ZygoteProcess(list(self.preload_set()), env, project=self.project,
+                              profile=self.profile).launch()
             self.zygotes.append(z)
         return z
 

@@ -100,6 +100,13 @@ class Profile:
             out.append(name)
         return out
 
+    def adopt(self, modules: list[str]) -> None:
+        """Take modules another machine learned (a portable profile) as if seen once here."""
+        forgotten = set(self.data["forgotten"])
+        for module in modules:
+            if module not in forgotten:
+                self.data["modules"].setdefault(module, {"count": 1, "seconds": None})
+
     def record_cost(self, module: str, seconds: float) -> None:
         entry = self.data["modules"].get(module)
         if entry is not None:

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import gc
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -29,6 +30,7 @@ from typing import Callable, Iterator, Optional
 
 from . import learn
 from .files import read_json, write_json
+from .profiles import read_profile
 from .cuda import PRELOAD_ENV, DriverProbe, cuda_safe_imports, torch_cuda_initialized
 from .deferral import Blocker, top_level
 from .procfs import native_threads
@@ -112,6 +114,7 @@ class PreloadReport:
     import_env: dict[str, Optional[str]] = field(default_factory=dict)
     dirty_entry: str = ""  # set when an entry left the process unfit to fork
     deferred: dict[str, dict] = field(default_factory=dict)  # package -> verdict + cut imports
+    hints: dict[str, str] = field(default_factory=dict)  # a profile's verdict -> its check
     learned: dict = field(default_factory=dict)  # the learned preload's summary
 
     @property
@@ -300,10 +303,11 @@ def verdict_for(entry: EntryReport) -> dict:
 
 # ---------------------------------------------------------------- verdict cache
 
-def package_fingerprint() -> str:
-    """A hash of every installed distribution's name and version (and the interpreter)."""
-    import importlib.metadata
-    items = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+def package_fingerprint(path: Optional[list[str]] = None) -> str:
+    """A hash of every distribution installed on ``path`` (default ``sys.path``: in the zygote,
+    a fresh interpreter's without ``sys.path[0]``), and the interpreter."""
+    items = sorted(f"{d.metadata['Name']}=={d.version}"
+                   for d in importlib.metadata.distributions(path=sys.path if path is None else path))
     return hashlib.sha256("\n".join([sys.executable, sys.version, *items]).encode()).hexdigest()[:16]
 
 
@@ -348,15 +352,39 @@ class Preloader:
         self.probe = probe
         self.fingerprint = package_fingerprint()
         self.cache = VerdictCache(config.cache_dir, f"{self.fingerprint}-{probe.name}")
+        self.portable = read_profile(config.profile)
+        self.hints: dict[str, dict] = {}  # verdicts from another package set, to re-verify
         self.skip = dict(settings.quarantine)
-        self.skip.update({k: v for k, v in self.cache.get().items()
-                          if k in config.modules or k.startswith((LEARNED, DEFER))})
+        self.skip.update(self.known_verdicts())
         self.blocker = Blocker(k[len(DEFER):] for k in self.skip if k.startswith(DEFER))
         sys.meta_path.insert(0, self.blocker)  # for the zygote's whole life
         self.env_set_by_preload: dict[str, str] = {}
         self.learn_reports_dir = ""
         self.profile: Optional[learn.Profile] = None  # set while learning is on
         self.learn_spent_s = 0.0
+
+    def known_verdicts(self) -> dict[str, dict]:
+        """This package set's verdicts: the cache's, then a portable profile's (trusted when it
+        was written for the same packages and probe, else taken as hints to re-verify)."""
+        cached = {k: v for k, v in self.cache.get().items()
+                  if k in self.config.modules or k.startswith((LEARNED, DEFER))}
+        if self.portable:
+            trusted = (self.portable["fingerprint"], self.portable["probe"]) == (
+                self.fingerprint, self.probe.name)
+            for key, verdict in self.portable["verdicts"].items():
+                if key in cached or not (key in self.config.modules or key.startswith(DEFER)):
+                    continue
+                if trusted:
+                    self.cache.put(key, verdict)
+                else:
+                    self.hints[key] = verdict
+                cached[key] = verdict
+        return {k: v for k, v in cached.items() if not v.get("cleared")}
+
+    def settle_hint(self, key: str, holds: bool) -> None:
+        """Keep what re-verifying a hint found, for the next zygote of this package set."""
+        verdict = self.hints.pop(key)
+        self.cache.put(key, verdict if holds else {"cleared": True, "hint": verdict})
 
     def run(self) -> PreloadReport:
         """Preload; raises ``Quarantined`` when an entry must go. Records which variables the
@@ -372,6 +400,7 @@ class Preloader:
             if self.config.learn:
                 report.learned = self.preload_learned()
         report.deferred = self.deferred()
+        report.hints = {key: "re-verifying" for key in self.hints}
         keys = (keys | set(IMPORT_ENV_KEYS)) - {*PRELOAD_ENV, *PER_TEST_ENV, QUARANTINE_ENV,
                                                 RESTARTED_ENV}
         # What the imports saw, not what they left: some set variables while importing.
@@ -403,6 +432,8 @@ class Preloader:
         self.profile = learn.Profile(self.config.cache_dir, learn.profile_key(project), project)
         if self.profile.check_packages(self.fingerprint):
             self.log("installed packages changed: the learned preload starts over")
+        if self.portable:
+            self.profile.adopt(self.portable["pinned"] + self.portable["learned"])
         self.profile.merge_reports()
         self.learn_reports_dir = self.profile.reports_dir
         if len(self.refused) > MAX_LEARNED_QUARANTINES:
@@ -444,6 +475,16 @@ class Preloader:
             return {"imported": 0}
         self.profile.merge_reports()
         return self.learn(idle)
+
+
+def hint_holds(key: str, probe: DriverProbe, blocker: Blocker) -> bool:
+    """In a forked child of the zygote: does importing what ``key`` names still make a process
+    unfit to fork? (The child is thrown away either way.)"""
+    module = key[len(DEFER):] if key.startswith(DEFER) else key
+    blocker.packages.discard(top_level(module))
+    with cuda_safe_imports():
+        entry = import_entry(module, probe)
+    return bool(entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads)
 
 
 def freeze_image() -> None:

@@ -18,6 +18,8 @@ from .cli import format_deferred, format_learned
 
 PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"
 MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
+PROFILE_DESC = ("a portable profile (preload-launcher profile --write) the zygote starts from, "
+                "relative to the rootdir (PRELOAD_LAUNCHER_PROFILE wins)")
 
 launcher_key = pytest.StashKey[Optional[client.Launcher]]()
 started_key = pytest.StashKey[float]()
@@ -30,6 +32,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--no-preload-launcher", dest="preload_launcher", action="store_false",
                     help="run every step as a plain subprocess")
     parser.addini("preload_launcher_modules", MODULES_DESC, default=None)
+    parser.addini("preload_launcher_profile", PROFILE_DESC, default=None)
 
 
 def resolve_enabled(config: pytest.Config) -> bool:
@@ -48,7 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[launcher_key] = None
         return
     modules = settings.preload_modules(ini=config.getini("preload_launcher_modules"))
-    launcher = client.Launcher(modules)
+    profile = settings.Settings.from_env().profile or config.getini("preload_launcher_profile")
+    launcher = client.Launcher(modules, profile=str(config.rootpath / profile) if profile else None)
     client.set_session_launcher(launcher)  # run() in this process uses the session's zygote
     config.stash[launcher_key] = launcher
     config.stash[started_key] = time.monotonic()

@@ -107,6 +107,7 @@ class Settings:
     prewarm_ranks: Optional[int] = None  # PRELOAD_LAUNCHER_PREWARM_RANKS (None: one per GPU)
     prewarm_cuda: str = "context"  # PRELOAD_LAUNCHER_PREWARM_CUDA: context, kernels or 0
     deferred: str = "lazy"  # PRELOAD_LAUNCHER_DEFERRED: when a step replays deferred imports
+    profile: str = ""  # PRELOAD_LAUNCHER_PROFILE: a portable profile to start from
     spawn: bool = True  # PRELOAD_LAUNCHER_SPAWN: serve a step's spawned interpreters
     learn: bool = True  # PRELOAD_LAUNCHER_LEARN
     learn_budget_s: float = 60.0  # PRELOAD_LAUNCHER_LEARN_BUDGET_S
@@ -129,6 +130,7 @@ class Settings:
             prewarm_ranks=r.number("PRELOAD_LAUNCHER_PREWARM_RANKS", int, None),
             prewarm_cuda=r.choice("PRELOAD_LAUNCHER_PREWARM_CUDA", PREWARM_CUDA_LEVELS, "context"),
             deferred=r.choice("PRELOAD_LAUNCHER_DEFERRED", DEFERRED_MODES, "lazy"),
+            profile=r.raw("PRELOAD_LAUNCHER_PROFILE") or "",
             spawn=r.flag("PRELOAD_LAUNCHER_SPAWN", True),
             learn=r.flag("PRELOAD_LAUNCHER_LEARN", True),
             learn_budget_s=r.number("PRELOAD_LAUNCHER_LEARN_BUDGET_S", float, 60.0),
@@ -198,6 +200,7 @@ class ZygoteConfig:
     learn_budget_s: float = 60.0
     prewarm: bool = False
     prewarm_ranks: int = 0
+    profile: str = ""  # a portable profile's path ("" = none)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

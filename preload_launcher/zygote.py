@@ -19,7 +19,8 @@ import time
 from typing import Optional
 
 from . import cuda, procfs, protocol, runtime, spawn_proxy, step
-from .preload import Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image
+from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
+                      hint_holds)
 from .prewarm import WarmPool
 from .settings import QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
 
@@ -167,6 +168,7 @@ class Zygote:
             self.selector.register(self.config.alive_fd, selectors.EVENT_READ, "alive")
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(sig_r, selectors.EVENT_READ, "signal")
+        self.verify_hints()
         self.fill_warm_pool()
         while not self.stopping:
             events = self.selector.select(0 if self.learn_due and not self.steps else None)
@@ -180,10 +182,40 @@ class Zygote:
                     self.reap()
                 elif key.data == "alive":
                     self.request_stop("its starter went away")
+                elif isinstance(key.data, str):
+                    self.settle_hint(key.data, key.fileobj)
                 else:
                     self.on_step_conn(key.data)
         for running in list(self.steps.values()):
             _killpg(running.pid, signal.SIGKILL)
+
+    def verify_hints(self) -> None:
+        """Re-verify a portable profile's verdicts for another package set, each in a forked
+        child that imports what the verdict names (the zygote stays clean); the result is kept
+        in the verdict cache for the next zygote."""
+        for key in list(self.preloader.hints):
+            result_r, result_w = os.pipe()
+            state = self.child_state()
+
+            def body(key=key) -> int:
+                runtime.close_fds([*state.zygote_fds, result_r])
+                runtime.die_with_parent()
+                os.write(result_w, b"1" if hint_holds(key, self.probe, self.preloader.blocker)
+                         else b"0")
+                return 0
+
+            runtime.fork(body)
+            os.close(result_w)
+            self.selector.register(result_r, selectors.EVENT_READ, "hint:" + key)
+
+    def settle_hint(self, data: str, result_r: int) -> None:
+        key = data[len("hint:"):]
+        holds = os.read(result_r, 1) != b"0"  # EOF (the check crashed): the verdict stands
+        self.selector.unregister(result_r)
+        os.close(result_r)
+        self.preloader.settle_hint(key, holds)
+        self.report.hints[key] = "confirmed" if holds else "cleared"
+        say("profile verdict %s %s on this package set", key, self.report.hints[key])
 
     def learn_while_idle(self) -> None:
         """Import what finished steps imported and this zygote lacks, one module at a time,

@@ -1,7 +1,9 @@
 """Surgical quarantine with fake packages shaped like modelopt -> torch_geometric: the culprit's
 package is deferred, the entry stays preloaded, and steps see what a fresh interpreter sees."""
+import json
 import os
 import textwrap
+import time
 
 import pytest
 
@@ -161,3 +163,68 @@ def test_per_test_variables_never_reach_the_preload(site, tmp_path):
         assert len(launcher.zygotes) == 1  # one zygote served every test
     finally:
         launcher.close()
+
+
+def write_profile_with_cli(env, path):
+    """``preload-launcher profile --write`` in the environment whose packages it describes."""
+    out = plain([PY, "-m", "preload_launcher.cli", "profile", "--write", str(path)], env=env)
+    assert out.returncode == 0 and "1 verdicts (defer:fakegeo)" in out.stdout, out.stdout
+
+
+def test_a_profile_lets_a_fresh_machine_start_without_scouting(site, tmp_path):
+    env, log = site
+    launcher_for(["fakeopt"], env).close()  # machine 1 finds the culprit
+    profile = tmp_path / "profile.json"
+    write_profile_with_cli(env, profile)
+    imports = log.read_text().count("fakegeo imported")
+    fresh = dict(env, PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "empty-cache"),
+                 PRELOAD_LAUNCHER_PROFILE=str(profile))
+    launcher = launcher_for(["fakeopt"], fresh)
+    try:
+        report = status(launcher)["preload"]
+        assert log.read_text().count("fakegeo imported") == imports  # no culprit import
+        assert "restarting" not in log_text(launcher)
+        assert report["loaded"] == ["fakeopt"] and "fakegeo" in report["deferred"]
+        assert report["hints"] == {}  # same package set: trusted
+    finally:
+        launcher.close()
+
+
+def test_a_profile_from_another_package_set_is_re_verified(site, tmp_path):
+    env, log = site
+    launcher_for(["fakeopt"], env).close()
+    profile = tmp_path / "profile.json"
+    write_profile_with_cli(env, profile)
+    data = json.loads(profile.read_text())
+    data["fingerprint"] = "another-package-set"
+    data["verdicts"]["innocent_entry"] = {"culprit": "x", "chain": ["innocent_entry", "x"],
+                                          "reason": "initialised CUDA"}
+    profile.write_text(json.dumps(data))
+    (tmp_path / "site" / "innocent_entry.py").write_text("X = 1\n")
+    fresh = dict(env, PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "empty-cache"),
+                 PRELOAD_LAUNCHER_PROFILE=str(profile))
+    imports = log.read_text().count("fakegeo imported")
+    modules = ["fakeopt", "innocent_entry"]
+    launcher = launcher_for(modules, fresh)
+    try:
+        zygote = launcher.zygotes[0]
+        assert "restarting" not in log_text(launcher)  # the hints were applied, not scouted
+        assert zygote.status["preload"]["hints"] == {"defer:fakegeo": "re-verifying",
+                                                     "innocent_entry": "re-verifying"}
+        deadline = time.monotonic() + 20
+        while "re-verifying" in zygote.request("status")["preload"]["hints"].values():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        hints = zygote.request("status")["preload"]["hints"]
+        assert hints == {"defer:fakegeo": "confirmed", "innocent_entry": "cleared"}
+        assert not zygote.request("status")["driver_initialized"]  # checked in a child
+        assert log.read_text().count("fakegeo imported") == imports + 1
+    finally:
+        launcher.close()
+    again = launcher_for(modules, fresh)  # the next zygote keeps what the check found
+    try:
+        report = status(again)["preload"]
+        assert report["loaded"] == modules and "fakegeo" in report["deferred"]
+        assert report["hints"] == {}
+    finally:
+        again.close()
