@@ -361,7 +361,7 @@ class Launcher:
         self.profile = profile  # a portable profile to start zygotes from (else the env's)
         self.max_zygotes = max_zygotes
         self.zygotes: list[ZygoteProcess] = []
-        self.stats = {"zygote": 0, "subprocess": 0, "reasons": {}}
+        self.stats = {"zygote": 0, "subprocess": 0, "reasons": {}, "zygotes_started": 0}
         self._lock = threading.Lock()
 
     def preload_set(self) -> tuple[str, ...]:
@@ -383,8 +383,7 @@ class Launcher:
             if len(self.zygotes) >= self.max_zygotes:
                 oldest = self.zygotes.pop(0)
                 oldest.close()
-            z = ZygoteProcess(modules, env, project=self.project, profile=self.profile).launch()
-            self.zygotes.append(z)
+            z = self._launch(modules, env)
         z.wait_ready()
         return z
 
@@ -392,9 +391,12 @@ class Launcher:
         """Launch a zygote in the background (its preload overlaps the caller's work)."""
         env = dict(os.environ if env is None else env)
         with self._lock:
-            z = ZygoteProcess(list(self.preload_set()), env, project=self.project,
-                              profile=self.profile).launch()
-            self.zygotes.append(z)
+            return self._launch(list(self.preload_set()), env)
+
+    def _launch(self, modules: list[str], env: Mapping[str, str]) -> ZygoteProcess:
+        z = ZygoteProcess(modules, env, project=self.project, profile=self.profile).launch()
+        self.zygotes.append(z)
+        self.stats["zygotes_started"] += 1
         return z
 
     def close(self) -> None:

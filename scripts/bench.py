@@ -353,6 +353,9 @@ def main() -> None:
     if "scaling" in sections:
         results["scaling"] = scaling(launcher, gpus, max(2, args.steps // 2))
         save()
+    results["zygotes_started"] = launcher.stats["zygotes_started"]
+    print(f"# zygotes started by this run's launcher: {results['zygotes_started']}")
+    save()
     launcher.close()
 
 
