@@ -13,7 +13,7 @@ from typing import Optional
 
 
 from . import daemon, learn, settings
-from .preload import VerdictCache, package_fingerprint
+from .preload import SCOUTED, VerdictCache, package_fingerprint
 from .profiles import write_profile
 from .client import Launcher, ZygoteProcess
 from .result import LauncherError
@@ -154,9 +154,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     learned.save()
     write_profile(args.write, fingerprint, s.probe, verdicts, list(learned.data["modules"]),
                   list(learned.data["pinned"]))
-    print(f"preload-launcher: wrote {args.write}: {len(verdicts)} verdicts "
-          f"({', '.join(sorted(verdicts)) or 'none'}), {len(learned.data['modules'])} learned "
-          f"modules, package fingerprint {fingerprint}")
+    found = sorted(k for k in verdicts if not k.startswith(SCOUTED))
+    print(f"preload-launcher: wrote {args.write}: {len(found)} verdicts "
+          f"({', '.join(found) or 'none'}), {len(verdicts) - len(found)} entries known clean, "
+          f"{len(learned.data['modules'])} learned modules, package fingerprint {fingerprint}")
     return 0
 
 

@@ -19,8 +19,11 @@ import gc
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -28,10 +31,11 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
-from . import learn
+from . import learn, runtime
 from .files import read_json, write_json
 from .profiles import read_profile
-from .cuda import PRELOAD_ENV, DriverProbe, cuda_safe_imports, torch_cuda_initialized
+from .cuda import (PRELOAD_ENV, DriverProbe, cuda_safe_imports, nvml_device_count,
+                   torch_cuda_initialized)
 from .deferral import Blocker, top_level
 from .procfs import native_threads
 from .settings import IMPORT_ENV_KEYS, PER_TEST_ENV, QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 
 LEARNED = "learned:"  # verdict-cache prefix for learned packages
 DEFER = "defer:"  # verdict-cache prefix for deferred packages
+SCOUTED = "scouted:"  # verdict-cache prefix for entries known to import cleanly
 MAX_LEARNED_QUARANTINES = 5
 
 
@@ -115,6 +120,7 @@ class PreloadReport:
     dirty_entry: str = ""  # set when an entry left the process unfit to fork
     deferred: dict[str, dict] = field(default_factory=dict)  # package -> verdict + cut imports
     hints: dict[str, str] = field(default_factory=dict)  # a profile's verdict -> its check
+    found: dict[str, dict] = field(default_factory=dict)  # verdicts scouts found this start
     learned: dict = field(default_factory=dict)  # the learned preload's summary
 
     @property
@@ -218,30 +224,52 @@ def deferrable_package(chain: list[str], loaded_before: set[str]) -> str:
 
 
 def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
-            blocker: Optional[Blocker] = None) -> PreloadReport:
+            blocker: Optional[Blocker] = None, scout: Callable[[str], bool] = lambda m: False
+            ) -> PreloadReport:
     """Import ``modules`` in order; stop at the first that makes the process unfit to fork.
 
     Entries in ``skip`` are quarantined, and so are their submodules (importing one runs the
     quarantined ``__init__`` again). An entry that fails only because it needs a deferred
     package without a guard is quarantined too (``report.quarantined``); the process stays
-    clean, so this costs no restart."""
+    clean, so this costs no restart. Entries for which ``scout(entry)`` is true are scouted
+    (``Scouts``): a verdict a scout finds is added to ``skip`` and ``report.found``."""
     report = PreloadReport(requested=list(modules), probe=probe.name)
     report.quarantined = {k: v for k, v in skip.items() if not k.startswith(DEFER)}
     start = time.perf_counter()
     with cuda_safe_imports() as nvml:
         report.nvml_answers = nvml
-        for module in modules:
-            if _quarantined(module, report.quarantined):
-                continue
-            entry = import_entry(module, probe, blocker)
-            report.entries.append(entry)
-            if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
-                report.dirty_entry = module
-                break
-            if blocker is not None and top_level(entry.missing) in blocker.packages:
-                report.quarantined[module] = unguarded_verdict(entry, skip)
+        scouts = Scouts([m for m in modules if m not in sys.modules and scout(m)], probe, blocker) \
+            if blocker is not None else None
+        try:
+            _import_entries(modules, probe, skip, blocker, scouts, report)
+        finally:
+            if scouts is not None:
+                scouts.close()
     report.seconds = round(time.perf_counter() - start, 3)
     return report
+
+
+def _import_entries(modules: list[str], probe: DriverProbe, skip: dict, blocker: Optional[Blocker],
+                    scouts: Optional[Scouts], report: PreloadReport) -> None:
+    for module in modules:
+        if _quarantined(module, report.quarantined):
+            continue
+        scouted = scouts.report(module) if scouts is not None else None
+        # A culprit behind a package another entry's scout had deferred is blocked already.
+        if scouted is not None and is_dirty(scouted) and scouted.deferrable not in blocker.packages:
+            key, verdict = verdict_key(scouted, skip)
+            skip[key] = report.found[key] = verdict
+            if not key.startswith(DEFER):
+                report.quarantined[module] = verdict
+                continue
+            blocker.packages.add(key[len(DEFER):])
+        entry = import_entry(module, probe, blocker)
+        report.entries.append(entry)
+        if is_dirty(entry):
+            report.dirty_entry = module
+            return
+        if blocker is not None and top_level(entry.missing) in blocker.packages:
+            report.quarantined[module] = unguarded_verdict(entry, skip)
 
 
 def _quarantined(module: str, quarantined: dict) -> bool:
@@ -301,6 +329,81 @@ def verdict_for(entry: EntryReport) -> dict:
     return {"culprit": entry.culprit or entry.module, "chain": entry.chain, "reason": reason}
 
 
+def is_dirty(entry: EntryReport) -> bool:
+    """Did this import leave the process unfit to fork?"""
+    return bool(entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads)
+
+
+def verdict_key(entry: EntryReport, skip: dict) -> tuple[str, dict]:
+    """What a dirty entry costs: its culprit's package deferred when that is another
+    distribution's (the entry stays), else the entry itself quarantined."""
+    verdict = verdict_for(entry)
+    if entry.deferrable and DEFER + entry.deferrable not in skip:
+        return DEFER + entry.deferrable, {**verdict, "entry": entry.module}
+    return entry.module, verdict
+
+
+class Scouts:
+    """On a package set seen for the first time, one forked child per entry imports that entry
+    alone and reports what it did, while the zygote imports the entries before it. The zygote
+    then reads an entry's report before importing it, defers or quarantines a culprit it names,
+    and never imports the culprit itself: finding it costs no restart."""
+
+    TIMEOUT_S = 300.0  # a scout that says nothing for this long is killed, and not waited for
+
+    def __init__(self, modules: list[str], probe: DriverProbe, blocker: Blocker) -> None:
+        self.pending: dict[str, tuple[int, int]] = {}  # module -> (pid, report fd)
+        for module in modules:
+            report_r, report_w = os.pipe()
+
+            def scout(module=module, report_r=report_r, report_w=report_w) -> int:
+                os.close(report_r)
+                runtime.die_with_parent()
+                entry = import_entry(module, probe, blocker)
+                os.write(report_w, json.dumps(asdict(entry)).encode())
+                return 0
+
+            pid = runtime.fork(scout)
+            os.close(report_w)
+            self.pending[module] = (pid, report_r)
+
+    def report(self, module: str) -> Optional[EntryReport]:
+        """The scout's report on ``module`` (waiting for it), or None without one."""
+        if module not in self.pending:
+            return None
+        pid, report_r = self.pending.pop(module)
+        chunks = []
+        deadline = time.monotonic() + self.TIMEOUT_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([report_r], [], [], left)[0]:
+                break  # timed out
+            chunk = os.read(report_r, 1 << 16)
+            if not chunk:
+                break  # EOF: the scout is done
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        self._end(pid, report_r)
+        try:
+            return EntryReport(**json.loads(data))
+        except (ValueError, TypeError):
+            return None  # it crashed or timed out: the zygote finds out for itself
+
+    def close(self) -> None:
+        for pid, report_r in self.pending.values():
+            self._end(pid, report_r)
+        self.pending.clear()
+
+    @staticmethod
+    def _end(pid: int, report_r: int) -> None:
+        os.close(report_r)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+
+
 # ---------------------------------------------------------------- verdict cache
 
 def package_fingerprint(path: Optional[list[str]] = None) -> str:
@@ -322,8 +425,13 @@ class VerdictCache:
         return (read_json(self.path) or {}).get(self.fingerprint, {})
 
     def put(self, entry: str, verdict: dict) -> None:
+        self.update({entry: verdict})
+
+    def update(self, verdicts: dict[str, dict]) -> None:
+        if not verdicts:
+            return
         # Only the current package set's verdicts are worth keeping: versions changed otherwise.
-        data = {self.fingerprint: {**self.get(), entry: verdict}}
+        data = {self.fingerprint: {**self.get(), **verdicts}}
         try:
             write_json(self.path, data)
         except OSError as err:
@@ -352,6 +460,9 @@ class Preloader:
         self.probe = probe
         self.fingerprint = package_fingerprint()
         self.cache = VerdictCache(config.cache_dir, f"{self.fingerprint}-{probe.name}")
+        # Culprits show only where a driver can be initialised (or in tests, the fake one).
+        self.scouting = probe.name == "fake" or nvml_device_count() > 0
+        self.scouted: set[str] = set()  # entries known to import cleanly (known_verdicts)
         self.portable = read_profile(config.profile)
         self.hints: dict[str, dict] = {}  # verdicts from another package set, to re-verify
         self.skip = dict(settings.quarantine)
@@ -366,12 +477,17 @@ class Preloader:
     def known_verdicts(self) -> dict[str, dict]:
         """This package set's verdicts: the cache's, then a portable profile's (trusted when it
         was written for the same packages and probe, else taken as hints to re-verify)."""
-        cached = {k: v for k, v in self.cache.get().items()
+        everything = self.cache.get()
+        self.scouted = {k[len(SCOUTED):] for k in everything if k.startswith(SCOUTED)}
+        cached = {k: v for k, v in everything.items()
                   if k in self.config.modules or k.startswith((LEARNED, DEFER))}
         if self.portable:
             trusted = (self.portable["fingerprint"], self.portable["probe"]) == (
                 self.fingerprint, self.probe.name)
             for key, verdict in self.portable["verdicts"].items():
+                if trusted and key.startswith(SCOUTED):
+                    self.cache.put(key, verdict)
+                    self.scouted.add(key[len(SCOUTED):])
                 if key in cached or not (key in self.config.modules or key.startswith(DEFER)):
                     continue
                 if trusted:
@@ -391,10 +507,12 @@ class Preloader:
         imports read (a zygote serves only steps that agree on them) and which they set."""
         start_env = dict(os.environ)
         with recording_env_reads() as keys:
-            report = preload(self.config.modules, self.probe, self.skip, self.blocker)
-            for name, verdict in report.quarantined.items():
-                if name not in self.skip:  # found unguarded just now: remembered, no restart
-                    self.cache.put(name, verdict)
+            report = preload(self.config.modules, self.probe, self.skip, self.blocker,
+                             self.should_scout)
+            found = {**report.found, **{k: v for k, v in report.quarantined.items()
+                                        if k not in self.skip}}  # unguarded, found just now
+            found.update({SCOUTED + e.module: {} for e in report.entries if e.ok and not is_dirty(e)})
+            self.cache.update(found)
             if report.dirty_entry:
                 self.quarantine(report.entries[-1], report.dirty_entry)
             if self.config.learn:
@@ -408,16 +526,18 @@ class Preloader:
         self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
         return report
 
+    def should_scout(self, module: str) -> bool:
+        """Scout an entry never seen on this package set, where culprits can be seen at all."""
+        return self.scouting and module not in self.skip and module not in self.scouted
+
     def quarantine(self, entry: EntryReport, name: str) -> None:
-        """Defer the culprit's package when it is another distribution's (the entry stays), else
-        quarantine the entry; remember it, and restart without it."""
-        verdict = verdict_for(entry)
-        if (entry.deferrable and not name.startswith(LEARNED)
-                and DEFER + entry.deferrable not in self.skip):
-            name = DEFER + entry.deferrable
-            verdict["entry"] = entry.module
-        self.cache.put(name, verdict)
-        raise Quarantined({**self.skip, name: verdict}, name)
+        """Remember what the dirty entry costs (``verdict_key``) and restart without it."""
+        if name.startswith(LEARNED):
+            key, verdict = name, verdict_for(entry)
+        else:
+            key, verdict = verdict_key(entry, self.skip)
+        self.cache.put(key, verdict)
+        raise Quarantined({**self.skip, key: verdict}, key)
 
     def deferred(self) -> dict[str, dict]:
         """Each deferred package: its verdict and the guarded imports the block cut off."""

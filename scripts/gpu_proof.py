@@ -123,7 +123,8 @@ def multi_gpu(launcher: Launcher, n: int, reps: int) -> None:
               f"{statistics.median(ours):.2f} s, {row['ratio']:.1f}x "
               f"(runs: {[round(t, 2) for t in theirs]} vs {[round(t, 2) for t in ours]})", flush=True)
     results["multi_gpu"] = rows
-    fail = [TORCHRUN, f"--nproc_per_node={n}", os.path.join(PROGRAMS, "megatron_style.py"),
+    # Two ranks even on one GPU: the failing rank fails before touching NCCL.
+    fail = [TORCHRUN, f"--nproc_per_node={max(n, 2)}", os.path.join(PROGRAMS, "megatron_style.py"),
             "--fail-rank", "1"]
     env = dict(os.environ)
     r = launcher.run(fail, env=env, timeout=300)
