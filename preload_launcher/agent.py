@@ -284,7 +284,8 @@ class Agent:
         for rank, handle in self.handles.items():
             orders = StepSpec(args=self.spec.args, env=envs[rank], cwd=os.getcwd(),
                               target=self.target, stdout_file=self.logs.stdouts.get(rank, ""),
-                              stderr_file=self.logs.stderrs.get(rank, ""))
+                              stderr_file=self.logs.stderrs.get(rank, ""),
+                              thread_counts=self.spec.thread_counts)
             protocol.send_request(handle.sock, orders.to_json_dict(), [0, 1])
             self.reports[handle.pid] = handle.sock
             self.readers[handle.pid] = protocol.EventReader()

@@ -86,6 +86,8 @@ def format_doctor(status: dict) -> str:
     threads = status.get("native_threads", {})
     lines.append(f"native threads at fork time: {sum(threads.values())} "
                  f"({', '.join(f'{k}×{v}' for k, v in sorted(threads.items()))})")
+    for row in status.get("native_threads_described", []):
+        lines.append(f"  {row['count']:3} × {row['what']}: fork-safe: {row['fork_safe']}")
     lines.append(f"zygote RSS: {status.get('rss_kb', 0) / 1024:.0f} MiB")
     return "\n".join(lines)
 

@@ -58,9 +58,11 @@ class ZygoteProcess:
                  profile: Optional[str] = None) -> None:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
-        # Per-test variables are the step's business, never the preload's.
+        # Per-test variables are the step's business, never the preload's; so are thread
+        # counts, which each step sets for itself (what torch reports there is the default).
         self.env = {k: v for k, v in env.items()
-                    if not k.startswith(COVERAGE_ENV_PREFIXES) and k not in settings.PER_TEST_ENV}
+                    if not k.startswith(COVERAGE_ENV_PREFIXES)
+                    and k not in settings.PER_TEST_ENV + settings.THREAD_ENV}
         self.settings = Settings.from_env(env)
         self.cache_dir = cache_dir or self.settings.cache_dir
         runtime = settings.runtime_dir()

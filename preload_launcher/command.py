@@ -49,6 +49,8 @@ class StepSpec:
     fd_targets: Optional[list[int]] = None  # where the passed fds go; default stdin, output
     stdout_file: str = ""  # a rank's torchrun log files (--redirects/--tee); "" = the console
     stderr_file: str = ""
+    # Torch's (intra, inter)-op threads in a fresh interpreter, by thread env (the zygote's).
+    thread_counts: dict = field(default_factory=dict)
 
     def to_json_dict(self) -> dict:
         return asdict(self)

@@ -31,7 +31,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
-from . import learn, runtime
+from . import learn, runtime, threads
 from .files import read_json, write_json
 from .profiles import read_profile
 from .cuda import (PRELOAD_ENV, DriverProbe, cuda_safe_imports, nvml_device_count,
@@ -160,6 +160,7 @@ class _CulpritHook:
         finally:
             self.stack.pop()
             self.frames.pop()
+            threads.pin_for_preload()  # torch's pool at one thread as soon as torch is here
             if not self.culprit and self.probe.initialized():
                 self.culprit = label
                 self.chain = _dedupe(self.stack + [label])
@@ -185,6 +186,7 @@ def import_entry(module: str, probe: DriverProbe, blocker: Optional[Blocker] = N
     report = EntryReport(module=module)
     threads_before = sum(native_threads().values())
     loaded_before = {top_level(m) for m in sys.modules}
+    threads.pin_for_preload()
     start = time.perf_counter()
     with _CulpritHook(probe) as hook:
         if blocker is not None:
@@ -506,7 +508,7 @@ class Preloader:
         """Preload; raises ``Quarantined`` when an entry must go. Records which variables the
         imports read (a zygote serves only steps that agree on them) and which they set."""
         start_env = dict(os.environ)
-        with recording_env_reads() as keys:
+        with threads.preload_limits(), recording_env_reads() as keys:
             report = preload(self.config.modules, self.probe, self.skip, self.blocker,
                              self.should_scout)
             found = {**report.found, **{k: v for k, v in report.quarantined.items()

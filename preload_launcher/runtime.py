@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional
 
-from . import deferral, protocol
+from . import deferral, protocol, threads
 from .command import StepSpec
 from .settings import Settings
 
@@ -268,6 +268,7 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
     coerce_c_locale()
     os.chdir(spec.cwd)
     reseed_random_generators()
+    threads.apply_fresh_counts(spec.thread_counts)
     deferral.install_for_step(state.deferred, Settings.from_env().deferred)
     use_spawn_proxy(state.spawn_executable)
     redirect_to_files(spec.stdout_file, spec.stderr_file)

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "ZygoteConfig", "parse_bool",
-           "preload_modules", "runtime_dir", "QUARANTINE_ENV", "RESTARTED_ENV", "PER_TEST_ENV"]
+           "preload_modules", "runtime_dir", "QUARANTINE_ENV", "RESTARTED_ENV", "PER_TEST_ENV",
+           "THREAD_ENV"]
 
 DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch")
 
@@ -27,6 +28,8 @@ IMPORT_ENV_KEYS = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBA
 # Set per test by pytest: never in a zygote's environment, never import-relevant (torch_geometric
 # allocates CUDA tensors at import when it is set, pyg#10582).
 PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
+# Thread counts: set per step, in the step (``threads``); a zygote starts without them.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 # Set by the zygote for its own re-exec: the quarantine so far, and "restarted after a change".
 QUARANTINE_ENV = "_PRELOAD_LAUNCHER_QUARANTINE"

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Optional
 
-from . import cuda, procfs, protocol, runtime, spawn_proxy, step
+from . import cuda, procfs, protocol, runtime, spawn_proxy, step, threads
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
                       hint_holds)
 from .prewarm import WarmPool
@@ -67,6 +67,7 @@ class Zygote:
         self.restart_reason = ""
         self.spawn_executable = ""
         self.preloader: Optional[Preloader] = None
+        self.fresh_counts: Optional[threads.FreshCounts] = None
         self.announced = False  # the starter has our status; the ready fd is closed
         self.learn_due = False  # a step finished: what it imported may be worth learning
 
@@ -83,6 +84,7 @@ class Zygote:
             self.restart_without(verdict)
         self.env_set_by_preload = self.preloader.env_set_by_preload
         self.learn_reports_dir = self.preloader.learn_reports_dir
+
         self.snapshot_signals()  # after preload: handlers that imports install are kept
         self.install_spawn_proxy()
         freeze_image()
@@ -141,6 +143,7 @@ class Zygote:
             "uptime_s": round(time.time() - self.started_at, 1), "served": self.served,
             "running": len(self.steps), "rss_kb": procfs.rss_kb(), "fds": procfs.fd_count(),
             "native_threads": procfs.native_threads(),
+            "native_threads_described": threads.describe(procfs.native_threads()),
             "preload": self.report.to_dict() if self.report else {},
             "driver_initialized": self.probe.initialized(),
             "torch_cuda_initialized": cuda.torch_cuda_initialized(),
@@ -169,6 +172,8 @@ class Zygote:
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(sig_r, selectors.EVENT_READ, "signal")
         self.verify_hints()
+        if self.thread_counts({"env": {}}):  # torch is here: ranks' count asked ahead
+            self.fresh_counts.ask_ahead({"OMP_NUM_THREADS": "1"})
         self.fill_warm_pool()
         while not self.stopping:
             events = self.selector.select(0 if self.learn_due and not self.steps else None)
@@ -284,6 +289,7 @@ class Zygote:
             conn.close()
             self.restart_if_idle()
             return
+        spec["thread_counts"] = self.thread_counts(spec)
         pid = self.warm.hand_over(spec, fds, conn) if self.warm else None
         if pid is None:
             conn.settimeout(None)
@@ -303,6 +309,19 @@ class Zygote:
         if changes:
             self.restart_reason = f"{changes[0]} changed since preload"
             say("stale: %s; restarting once idle", ", ".join(changes[:5]))
+
+    def thread_counts(self, spec: dict) -> dict:
+        """Torch's thread counts for this step as a fresh interpreter would have them ({} while
+        torch is not loaded here: the step imports it fresh)."""
+        if self.fresh_counts is None:
+            defaults = threads.pin_for_preload()
+            if not defaults:
+                return {}
+            self.fresh_counts = threads.FreshCounts(
+                os.path.join(self.config.cache_dir, f"threads-{self.preloader.fingerprint}.json"),
+                defaults)
+        return self.fresh_counts.table_for(spec.get("env") or {},
+                                           multi_rank=spec.get("torchrun_args") is not None)
 
     def child_state(self) -> runtime.ZygoteState:
         others = [s.conn.fileno() for s in self.steps.values()]

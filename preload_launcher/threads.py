@@ -1,0 +1,162 @@
+"""Thread pools and fork: none is live in the zygote, and each step gets a fresh process's counts.
+
+``fork()`` copies one thread. A worker team that a preloaded import started (GNU OpenMP's, the
+one torch's CPU ops use) is gone in the child while its bookkeeping says it exists: the child
+hangs in its first parallel op. So while the zygote preloads, torch's intra-op pool is held at
+one thread (``torch.set_num_threads``, the library's own control; ``threadpoolctl`` does the
+same for other OpenMP/BLAS libraries when it is installed): an op a module runs at import runs
+on the main thread, and no team exists at fork time. Torch's inter-op pool is never touched,
+so a step may still size it.
+
+A step then gets the intra- and inter-op counts a fresh interpreter reports under the step's
+own ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` (torchrun sets ``OMP_NUM_THREADS=1`` for several
+ranks): the zygote starts without those variables, so what torch reports there is a fresh
+process's default, and for any other combination it asks a fresh interpreter once (cached
+per package set on disk, and in the zygote).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from typing import Iterator, Mapping, Optional
+
+from .files import read_json, write_json
+from .settings import THREAD_ENV
+
+__all__ = ["THREAD_ENV", "pin_for_preload", "preload_limits", "FreshCounts", "apply_fresh_counts",
+           "describe"]
+
+PROBE = "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())"
+
+_defaults: Optional[list[int]] = None  # (intra, inter) of a fresh process, once torch is here
+
+
+def pin_for_preload() -> Optional[list[int]]:
+    """Once torch is imported: remember its fresh counts, then hold intra-op at one thread."""
+    global _defaults
+    torch = sys.modules.get("torch")
+    if _defaults is None and torch is not None and hasattr(torch, "set_num_threads"):
+        _defaults = [torch.get_num_threads(), torch.get_num_interop_threads()]
+        torch.set_num_threads(1)
+    return _defaults
+
+
+@contextlib.contextmanager
+def _threadpoolctl() -> Iterator:
+    """threadpoolctl (or None), used and then forgotten: its import sets
+    ``KMP_DUPLICATE_LIB_OK``, which a step's fresh interpreter has only if it imports
+    threadpoolctl itself, and then it should run that import itself."""
+    before = os.environ.get("KMP_DUPLICATE_LIB_OK")
+    try:
+        import threadpoolctl
+    except ImportError:
+        threadpoolctl = None
+    try:
+        yield threadpoolctl
+    finally:
+        if before is None:
+            os.environ.pop("KMP_DUPLICATE_LIB_OK", None)
+        sys.modules.pop("threadpoolctl", None)
+
+
+@contextlib.contextmanager
+def preload_limits() -> Iterator[None]:
+    """One thread for every OpenMP/BLAS library threadpoolctl finds, while importing."""
+    with _threadpoolctl() as threadpoolctl:
+        if threadpoolctl is None:
+            yield
+            return
+        with threadpoolctl.threadpool_limits(limits=1):
+            yield
+
+
+def key_of(env: Mapping[str, str]) -> str:
+    return json.dumps([env.get(k) for k in THREAD_ENV])
+
+
+class FreshCounts:
+    """(intra, inter) op threads a fresh interpreter's torch reports, by thread environment."""
+
+    def __init__(self, cache_path: str, defaults: list[int]) -> None:
+        self.path = cache_path
+        self.known = {key_of({}): list(defaults), **(read_json(cache_path) or {})}
+        self.probes: dict[str, subprocess.Popen] = {}
+
+    def ask_ahead(self, env: Mapping[str, str]) -> None:
+        """Start asking a fresh interpreter now (in the background), unless known already."""
+        key = key_of(env)
+        if key not in self.known and key not in self.probes:
+            probe_env = {**{k: v for k, v in os.environ.items() if k not in THREAD_ENV},
+                         **{k: env[k] for k in THREAD_ENV if k in env}}
+            self.probes[key] = subprocess.Popen([sys.executable, "-c", PROBE], env=probe_env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                text=True)
+
+    def for_env(self, env: Mapping[str, str]) -> list[int]:
+        key = key_of(env)
+        if key not in self.known:
+            self.ask_ahead(env)
+            out, _ = self.probes.pop(key).communicate(timeout=120)
+            self.known[key] = [int(n) for n in out.split()[-2:]]
+            try:
+                write_json(self.path, {k: v for k, v in self.known.items() if k != key_of({})})
+            except OSError:
+                pass
+        return self.known[key]
+
+    def table_for(self, env: Mapping[str, str], multi_rank: bool) -> dict[str, list[int]]:
+        """What a step with ``env`` needs: its own counts and, for a torchrun step, those of
+        ranks given ``OMP_NUM_THREADS=1`` (torchrun's default for several ranks)."""
+        envs = [env] + ([{**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}]
+                        if multi_rank else [])
+        return {key_of(e): self.for_env(e) for e in envs}
+
+
+def apply_fresh_counts(table: dict[str, list[int]]) -> None:
+    """In a forked step or rank: torch's counts as a fresh interpreter would have them."""
+    torch = sys.modules.get("torch")
+    counts = table.get(key_of(os.environ))
+    if torch is None or counts is None:
+        return
+    intra, inter = counts
+    torch.set_num_threads(intra)
+    if torch.get_num_interop_threads() != inter:
+        torch.set_num_interop_threads(inter)
+
+
+def describe(threads: dict[str, int]) -> list[dict]:
+    """What each native thread of the zygote is, and why a fork is safe with it."""
+    with _threadpoolctl() as threadpoolctl:
+        pools = threadpoolctl.threadpool_info() if threadpoolctl else []
+    rows = []
+    left = dict(threads)
+    main = os.path.basename(sys.executable)[:15]
+    left[main] = left.get(main, 0) - 1
+    rows.append({"what": "the zygote's main thread", "count": 1, "fork_safe": "the one a fork copies"})
+    for pool in pools:
+        if pool["internal_api"] == "openblas" and pool["num_threads"] > 1:
+            n = min(pool["num_threads"] - 1, left.get(main, 0))
+            if n > 0:
+                left[main] -= n
+                rows.append({"what": f"OpenBLAS workers ({os.path.basename(pool['filepath'])})",
+                             "count": n, "fork_safe": "yes: OpenBLAS's atfork handlers park "
+                             "them and a child starts its own"})
+    for name, count in sorted(left.items()):
+        if count <= 0:
+            continue
+        if name.startswith("jemalloc"):
+            what, safe = "jemalloc's background purge thread", "yes: jemalloc's atfork handlers"
+        elif name.startswith("cuda"):
+            what, safe = ("an NVIDIA driver/NVML helper thread",
+                          "yes while the driver probe says uninitialised: it holds no context, "
+                          "and a child does not inherit threads")
+        else:
+            what, safe = (f"threads named {name!r}, not a pool this launcher knows",
+                          "a child does not inherit them; the risk is a lock one holds at "
+                          "fork time")
+        rows.append({"what": what, "count": count, "fork_safe": safe})
+    return rows

@@ -1,0 +1,85 @@
+"""Thread pools and fork: a module that runs a parallel op at import never hangs a step, and a
+step's thread counts are a fresh interpreter's (and real torchrun's)."""
+import json
+import os
+import textwrap
+
+import pytest
+
+from preload_launcher import Launcher
+
+from conftest import PY, pid_alive, plain
+
+pytestmark = pytest.mark.needs_torch
+TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
+
+PARALLEL_STEP = textwrap.dedent("""
+    import os, numpy, torch
+    print("pid", os.getpid(), flush=True)
+    x = torch.ones(1024, 1024)
+    a = numpy.ones((512, 512))
+    print("ok", float((x @ x).sum()), float((a @ a).sum()), torch.get_num_threads())
+""")
+COUNTS = "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())"
+
+
+@pytest.fixture
+def warm_at_import(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "torch_op_at_import.py").write_text(
+        "import torch\nTABLE = torch.ones(512, 512) @ torch.ones(512, 512)\n")
+    (site / "numpy_op_at_import.py").write_text(
+        "import numpy\nTABLE = numpy.ones((512, 512)) @ numpy.ones((512, 512))\n")
+    return dict(os.environ, PYTHONPATH=str(site))
+
+
+@pytest.mark.parametrize("module", ["torch_op_at_import", "numpy_op_at_import"])
+def test_a_parallel_op_at_import_never_hangs_a_step(warm_at_import, module):
+    launcher = Launcher(["torch", "numpy", module])
+    try:
+        launcher.zygote_for(warm_at_import)
+        assert module in launcher.zygotes[0].status["preload"]["loaded"]
+        for _ in range(2):
+            result = launcher.run([PY, "-c", PARALLEL_STEP], env=warm_at_import, timeout=2)
+            assert result.via == "zygote" and "ok" in result.stdout, result.stdout
+            pid = int(result.stdout.split()[1])
+            assert not pid_alive(pid)
+    finally:
+        launcher.close()
+
+
+@pytest.mark.parametrize("threads_env", [{}, {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "3"},
+                                          {"MKL_NUM_THREADS": "1"}])
+def test_a_steps_thread_counts_are_a_fresh_interpreters(torch_launcher, threads_env):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(threads_env)
+    ours = torch_launcher.run([PY, "-c", COUNTS], env=env)
+    fresh = plain([PY, "-c", COUNTS], env=env)
+    assert ours.via == "zygote"
+    assert ours.stdout == fresh.stdout, (threads_env, ours.stdout, fresh.stdout)
+
+
+def test_ranks_get_torchruns_thread_counts(torch_launcher, tmp_path):
+    script = tmp_path / "counts.py"
+    script.write_text("import os, json, torch\nprint(json.dumps([os.environ['RANK'], "
+                      "torch.get_num_threads(), torch.get_num_interop_threads()]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    args = [TORCHRUN, "--nproc_per_node=2", str(script)]
+    ours = torch_launcher.run(args, env=env, timeout=120)
+    theirs = plain(args, env=env)
+
+    def counts(output):
+        return sorted(json.loads(l) for l in output.splitlines() if l.startswith("["))
+
+    assert ours.via == "zygote"
+    assert counts(ours.stdout) == counts(theirs.stdout)
+    assert [c[1] for c in counts(ours.stdout)] == [1, 1]  # torchrun's OMP_NUM_THREADS=1
+
+
+def test_doctor_says_what_each_native_thread_is(torch_launcher):
+    zygote = torch_launcher.zygote_for(dict(os.environ))
+    rows = zygote.request("status")["native_threads_described"]
+    assert rows[0]["what"] == "the zygote's main thread"
+    assert sum(r["count"] for r in rows) == sum(zygote.request("status")["native_threads"].values())
+    assert all(r["fork_safe"] for r in rows)
