@@ -85,9 +85,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         return
     tr = terminalreporter
     tr.write_sep("-", "preload_launcher")
-    tr.write_line(f"steps via zygote: {stats['zygote']}, via subprocess: {stats['subprocess']}")
+    seconds = stats["seconds"]
+    tr.write_line(f"steps via zygote: {stats['zygote']} ({seconds['zygote']:.1f} s in them), "
+                  f"via subprocess: {stats['subprocess']} ({seconds['subprocess']:.1f} s)")
     for reason, count in sorted(stats["reasons"].items()):
         tr.write_line(f"  subprocess because {reason}: {count}")
+    tr.write_line(f"zygotes started: {stats['zygotes_started']}; steps waited "
+                  f"{stats['waited_s']:.1f} s in all for a zygote's preload")
     for z in launcher.zygotes:
         report = z.status.get("preload", {})
         if not report:
@@ -102,6 +106,3 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         failed = [e["module"] for e in report.get("entries", []) if not e["ok"]]
         if failed:
             tr.write_line(f"  not importable: {', '.join(failed)}")
-        saved = report["seconds"] * max(0, stats["zygote"] - 1)
-        tr.write_line(f"  estimated import time saved: {saved:.1f} s "
-                      f"({stats['zygote']} steps x {report['seconds']:.1f} s preload, minus one)")

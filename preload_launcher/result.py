@@ -15,7 +15,8 @@ class StepResult(subprocess.CompletedProcess):
     """``CompletedProcess`` plus how the step ran.
 
     ``via`` is ``"zygote"`` (forked from a preloaded zygote) or ``"subprocess"`` (a plain
-    process); ``reason`` says why a step did not go through the zygote.
+    process); ``reason`` says why a step did not go through the zygote; ``seconds`` is how long
+    the step took, from its request (or start) to its result.
     """
 
     def __init__(self, args, returncode, stdout=None, stderr=None, *, via="subprocess",
@@ -23,6 +24,7 @@ class StepResult(subprocess.CompletedProcess):
         super().__init__(args, returncode, stdout, stderr)
         self.via = via
         self.reason = reason
+        self.seconds = 0.0
 
     def __repr__(self) -> str:
         return (f"StepResult(args={self.args!r}, returncode={self.returncode!r}, "

@@ -160,6 +160,9 @@ def test_ctrl_c_in_the_caller_interrupts_the_step(tmp_path):
     script = tmp_path / "caller.py"
     script.write_text(
         "import signal, sys\n"
+        # As a terminal's shell would have it, even when this suite runs with SIGINT ignored
+        # (`cmd &` in a script, nohup): ignored dispositions are inherited.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from preload_launcher import Launcher\n"
         "l = Launcher(['json'])\n"
         "step = (\"import os, time\\n\"\n"
@@ -182,3 +185,13 @@ def test_ctrl_c_in_the_caller_interrupts_the_step(tmp_path):
     assert caller.returncode == 130 and out == "caller interrupted\n"
     assert wait_gone(step_pid)
     assert marker.read_text() == "yes"  # the step saw KeyboardInterrupt, as a terminal's Ctrl-C gives
+
+
+def test_the_ctrl_c_test_passes_when_the_suite_starts_with_sigint_ignored():
+    """CI systems start jobs as `cmd &` or under nohup: SIGINT ignored from the start."""
+    out = subprocess.run(
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:preload_launcher",
+         f"{__file__}::test_ctrl_c_in_the_caller_interrupts_the_step"],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:]
