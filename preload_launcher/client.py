@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence, Union
 
-from . import cuda, protocol, settings, spawn_proxy
+from . import cuda, protocol, settings
 from .command import StepSpec, Unsupported, parse_command
-from .files import unlink_all
+from .files import unlink_all, zygote_files
 from .result import LauncherError, StepResult
 from .settings import Settings, ZygoteConfig
 
@@ -71,7 +71,7 @@ class ZygoteProcess:
         if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
             raise LauncherError(f"socket path {self.socket_path!r} is too long for a Unix socket; "
                                 "set XDG_RUNTIME_DIR to a shorter directory")
-        self.log_path = self.socket_path[:-5] + ".log"
+        self.log_path = zygote_files(self.socket_path)["log"]
         self.daemon = daemon
         self.project = os.path.abspath(project or os.getcwd())
         profile = profile or self.settings.profile
@@ -165,7 +165,7 @@ class ZygoteProcess:
         z._ready, z._start_error = threading.Event(), None
         z.status = z.request("status")
         z.modules = list(z.status["modules"])
-        z.log_path = socket_path[:-5] + ".log"
+        z.log_path = zygote_files(socket_path)["log"]
         z._ready.set()
         return z
 
@@ -203,9 +203,10 @@ class ZygoteProcess:
                 self.process.kill()
                 self.process.wait()
         # A zygote that ended well leaves nothing behind; a failed one keeps its log.
-        unlink_all(self.socket_path, spawn_proxy.path_for(self.socket_path))
+        files = zygote_files(self.socket_path)
+        unlink_all(files["socket"], files["proxy"])
         if clean:
-            unlink_all(self.log_path)
+            unlink_all(files["log"])
 
     # -------------------------------------------------------------- requests
 

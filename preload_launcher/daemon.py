@@ -14,9 +14,9 @@ import sys
 import time
 from typing import Mapping, Optional, Sequence
 
-from . import settings, spawn_proxy
+from . import settings
 from .client import ZygoteProcess
-from .files import read_json, unlink_all, write_json
+from .files import read_json, unlink_all, write_json, zygote_files
 
 __all__ = ["daemon_paths", "find_daemon", "start_daemon", "stop_daemon", "list_daemons"]
 
@@ -64,7 +64,7 @@ def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
             time.sleep(0.05)
         if _pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
-    unlink_all(sock, meta_path, spawn_proxy.path_for(sock))
+    unlink_all(*zygote_files(sock).values())  # socket, log, proxy and this metadata
     return pid
 
 

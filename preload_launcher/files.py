@@ -6,7 +6,7 @@ import json
 import os
 from typing import Optional
 
-__all__ = ["read_json", "write_json", "unlink_all"]
+__all__ = ["read_json", "write_json", "unlink_all", "zygote_files"]
 
 
 def read_json(path: str) -> Optional[dict]:
@@ -34,3 +34,11 @@ def unlink_all(*paths: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def zygote_files(socket_path: str) -> dict[str, str]:
+    """The files of the zygote listening at ``socket_path`` (``….sock``): its socket, its log,
+    the spawn proxy it writes and, for a daemon, the metadata its starter writes."""
+    base = socket_path[:-len(".sock")]
+    return {"socket": socket_path, "log": base + ".log", "proxy": base + ".python",
+            "meta": base + ".json"}

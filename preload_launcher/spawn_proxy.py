@@ -66,11 +66,6 @@ def forward_signals(sock: socket.socket) -> None:
         signal.signal(signum, forward)
 
 
-def path_for(socket_path: str) -> str:
-    """Where the proxy of the zygote listening at ``socket_path`` (``….sock``) is written."""
-    return socket_path[:-len(".sock")] + ".python"
-
-
 def write_executable(path: str, socket_path: str) -> bool:
     """Write this proxy as an executable for the zygote at ``socket_path``; False where it
     could not run (a ``noexec`` directory, a shebang line too long for the kernel)."""

@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from . import cuda, procfs, protocol, runtime, spawn_proxy, step, threads
+from .files import read_json, unlink_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
                       hint_holds)
 from .prewarm import WarmPool
@@ -120,7 +121,7 @@ class Zygote:
 
     def install_spawn_proxy(self) -> None:
         """Write the executable a step's multiprocessing runs instead of python."""
-        path = spawn_proxy.path_for(self.config.socket_path)
+        path = zygote_files(self.config.socket_path)["proxy"]
         try:
             if spawn_proxy.write_executable(path, self.config.socket_path):
                 self.spawn_executable = path
@@ -237,6 +238,13 @@ class Zygote:
             learned = self.report.learned
             learned["in_session"] = learned.get("in_session", 0) + summary["imported"]
             say("learned %d modules while idle (%.2f s)", summary["imported"], summary["seconds"])
+
+    def remove_files(self) -> None:
+        """A zygote that stopped as asked (or because its starter went away) leaves nothing
+        behind: its socket, spawn proxy and log, and a daemon's metadata while it names us."""
+        files = zygote_files(self.config.socket_path)
+        if not self.config.daemon or (read_json(files["meta"]) or {}).get("pid") == os.getpid():
+            unlink_all(*files.values())
 
     def request_stop(self, why: str) -> None:
         say("stopping: %s", why)
@@ -419,4 +427,5 @@ def main(config_json: str, base_path: list[str]) -> None:
     zygote = Zygote(ZygoteConfig.from_json(config_json), Settings.from_env(), base_path)
     zygote.start()
     zygote.serve()
+    zygote.remove_files()
     os._exit(0)

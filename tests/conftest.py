@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -9,8 +10,12 @@ import pytest
 
 from preload_launcher import Launcher
 
-# Verdicts and learned profiles of this test session stay out of the user's cache.
-os.environ.setdefault("PRELOAD_LAUNCHER_CACHE_DIR", tempfile.mkdtemp(prefix="pl-cache-"))
+# Verdicts, learned profiles, sockets and logs of this session stay out of the user's
+# directories, and go with the session (pytest_unconfigure).
+SESSION_DIR = tempfile.mkdtemp(prefix="pl-tests-")
+os.environ.setdefault("PRELOAD_LAUNCHER_CACHE_DIR", os.path.join(SESSION_DIR, "cache"))
+os.environ["XDG_RUNTIME_DIR"] = os.path.join(SESSION_DIR, "run")
+os.makedirs(os.environ["XDG_RUNTIME_DIR"], exist_ok=True)
 
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
 PY = sys.executable
@@ -18,6 +23,10 @@ PY = sys.executable
 pytest_plugins = ["pytester"]
 
 TORCH_FIXTURES = {"torch_launcher", "warm_torch_launcher"}
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from conftest import PY, wait_gone
-from preload_launcher import spawn_proxy
+from preload_launcher.files import zygote_files
 
 
 def step(tmp_path, body: str) -> list[str]:
@@ -115,7 +115,7 @@ def test_switched_off_spawn_runs_the_real_interpreter(torch_launcher, tmp_path, 
 
 def test_proxy_hands_what_it_cannot_serve_to_python(light):
     light.run([PY, "-c", "pass"])
-    proxy = spawn_proxy.path_for(light.zygotes[0].socket_path)
+    proxy = zygote_files(light.zygotes[0].socket_path)["proxy"]
     assert os.access(proxy, os.X_OK)
     # -O changes compilation: not served, so the proxy becomes the real interpreter.
     out = subprocess.run([proxy, "-O", "-c", "import sys; print(sys.flags.optimize, sys.executable)"],
@@ -125,7 +125,7 @@ def test_proxy_hands_what_it_cannot_serve_to_python(light):
 
 def test_proxy_without_a_zygote_is_plain_python(tmp_path, light):
     light.run([PY, "-c", "pass"])
-    proxy = spawn_proxy.path_for(light.zygotes[0].socket_path)
+    proxy = zygote_files(light.zygotes[0].socket_path)["proxy"]
     text = open(proxy).read().replace(light.zygotes[0].socket_path, str(tmp_path / "none.sock"))
     orphan = tmp_path / "proxy.python"
     orphan.write_text(text)
@@ -138,7 +138,7 @@ def test_proxy_file_goes_with_its_zygote(tmp_path):
     from preload_launcher import Launcher
     launcher = Launcher(["json"])
     launcher.run([PY, "-c", "pass"])
-    proxy = spawn_proxy.path_for(launcher.zygotes[0].socket_path)
+    proxy = zygote_files(launcher.zygotes[0].socket_path)["proxy"]
     assert os.path.exists(proxy)
     launcher.close()
     assert not os.path.exists(proxy)
