@@ -7,13 +7,15 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Optional
 
 
-from . import daemon, learn, settings
+from . import __version__, daemon, learn, settings
 from .preload import SCOUTED, VerdictCache, package_fingerprint
+from .files import unlink_all
 from .profiles import write_profile
 from .client import Launcher, ZygoteProcess
 from .result import LauncherError
@@ -26,20 +28,32 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _daemon_for(modules, env) -> Optional[ZygoteProcess]:
-    """The matching daemon; a dead one (killed, crashed) is replaced; none -> None."""
+def _daemon_for(modules, env) -> tuple[Optional[ZygoteProcess], bool]:
+    """(the matching daemon or None, whether a daemon for ``modules`` runs at all); a dead one
+    (killed, crashed) is replaced. Says why a running daemon is not used."""
     zygote, meta = daemon.find_daemon(modules)
     if zygote is None and meta is not None:
         print("preload-launcher: the daemon is gone; starting a new one", file=sys.stderr)
         zygote = daemon.start_daemon(modules, env)
     if zygote is None:
-        return None
+        others = _other_daemons(modules)
+        if others:
+            print(f"preload-launcher: no daemon preloads {','.join(modules)}; running: {others} "
+                  "(use --preload to pick one)", file=sys.stderr)
+        return None, False
     mismatch = zygote.env_mismatch(env)
     if mismatch:
         print(f"preload-launcher: the daemon was preloaded with other values of {', '.join(mismatch)};"
               " using a fresh zygote for this environment", file=sys.stderr)
-        return None
-    return zygote
+        return None, True
+    return zygote, True
+
+
+def _other_daemons(modules) -> str:
+    """'pid N preloads a,b; …' for this user's live daemons of another preload set."""
+    found = [(meta["pid"], meta["modules"]) for meta in daemon.list_daemons()
+             if meta["modules"] != list(modules) and daemon._pid_alive(meta["pid"])]
+    return "; ".join(f"pid {pid} preloads {','.join(mods)}" for pid, mods in found)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -49,19 +63,54 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     modules = settings.preload_modules(args.preload)
     launcher = Launcher(modules)
-    if not args.no_daemon:
-        found = _daemon_for(modules, os.environ)
-        if found is not None:
-            launcher.zygotes.append(found)
+    found, exists = (None, False) if args.no_daemon else _daemon_for(modules, os.environ)
+    if found is not None:
+        launcher.zygotes.append(found)
+        how = f"the daemon (pid {found.status['pid']})"
+    elif not args.no_daemon and not exists and settings.Settings.from_env().autoserve:
+        # The step first, alone: a daemon preloading beside it would slow it down.
+        code = _run_plain(args.command, args.timeout)
+        started = daemon.spawn_daemon(modules)
+        say(args, "a plain process: no daemon preloads " + ",".join(modules) + "; " +
+            ("one is starting for the next run" if started else "one is starting already"))
+        return _exit_status(code)
+    else:
+        how = "a one-off zygote"
     try:
         result = launcher.run(args.command, timeout=args.timeout, echo=True)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+    except subprocess.TimeoutExpired:
+        print(f"preload-launcher run: timed out after {args.timeout} s", file=sys.stderr)
+        return 124
     finally:
         launcher.close()
-    if args.verbose:
-        print(f"[preload-launcher] via={result.via} {result.reason}", file=sys.stderr)
+    say(args, f"{how}, via {result.via}" + (f" ({result.reason})" if result.reason else ""))
     return _exit_status(result.returncode)
+
+
+def say(args: argparse.Namespace, how: str) -> None:
+    if args.verbose:
+        print(f"[preload-launcher] ran through {how}", file=sys.stderr)
+
+
+def _run_plain(command: list[str], timeout: Optional[float]) -> int:
+    """The command as the shell would run it: same terminal, same process group (Ctrl-C
+    reaches it), but killed with its group after ``timeout``."""
+    try:
+        proc = subprocess.Popen(command)
+    except OSError as err:
+        print(f"preload-launcher run: {command[0]}: {err.strerror}", file=sys.stderr)
+        return 127 if isinstance(err, FileNotFoundError) else 126
+    try:
+        return proc.wait(timeout=timeout)
+    except KeyboardInterrupt:
+        return proc.wait()
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        print(f"preload-launcher run: timed out after {timeout} s", file=sys.stderr)
+        return 124
 
 
 def format_doctor(status: dict) -> str:
@@ -174,16 +223,37 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     finally:
         zygote.close()
     print(json.dumps(status, indent=1) if args.json else format_doctor(status))
-    report = status["preload"]
-    clean = not report["quarantined"] and all(e["ok"] for e in report["entries"])
-    return 0 if clean else 1
+    verdict, code = doctor_verdict(status["preload"])
+    print(verdict)
+    return code
+
+
+def doctor_verdict(report: dict) -> tuple[str, int]:
+    """The last line of doctor and its exit status: a module that is not installed is a
+    warning; a quarantine or another import failure is a failure."""
+    missing = [e["module"] for e in report["entries"] if not e["ok"]
+               and e["error"].startswith("ModuleNotFoundError") and e.get("missing", "") and
+               e["module"].startswith(e["missing"])]
+    failed = [f"{e['module']} ({e['error'][:80]})" for e in report["entries"]
+              if not e["ok"] and e["module"] not in missing]
+    quarantined = [f"{name} ({verdict['reason']})" for name, verdict in report["quarantined"].items()]
+    problems = quarantined and [f"quarantined: {'; '.join(quarantined)}"] or []
+    problems += failed and [f"failed to import: {'; '.join(failed)}"] or []
+    warning = f"; not installed (skipped): {', '.join(missing)}" if missing else ""
+    if problems:
+        return f"doctor: FAIL: {'; '.join(problems)}{warning}", 1
+    return (f"doctor: OK: {len(report['loaded'])} of {len(report['requested'])} preloaded"
+            f"{warning}"), 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     modules = settings.preload_modules(args.preload)
     zygote, _ = daemon.find_daemon(modules)
     if zygote is None:
-        zygote = daemon.start_daemon(modules, os.environ)
+        try:
+            zygote = daemon.start_daemon(modules, os.environ, args.idle_timeout)
+        finally:
+            unlink_all(daemon.starting_file(modules))  # started (or failed): `run` may try again
         print(f"preload-launcher: serving, pid {zygote.status['pid']}, preloaded "
               f"{', '.join(zygote.status['preload']['loaded']) or '(none)'} in "
               f"{zygote.status['preload']['seconds']:.1f} s; log {zygote.log_path}")
@@ -215,70 +285,135 @@ def format_status(status: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _chosen_daemons(args: argparse.Namespace) -> tuple[list[dict], str]:
+    """The daemons a status/stop call means (--all: every one; --preload or the default list:
+    that one), and what to say when there is none."""
     metas = daemon.list_daemons()
-    if args.preload is not None or not metas:
-        metas = [{"modules": list(settings.preload_modules(args.preload))}]
-    found = 0
-    for meta in metas:
-        zygote, _ = daemon.find_daemon(meta["modules"])
-        if zygote is None:
-            print(f"no daemon serving {','.join(meta['modules'])}")
-            continue
-        found += 1
+    if getattr(args, "all", False) or (args.verb == "status" and args.preload is None):
+        return metas, "no daemon is running (start one with: preload-launcher serve --detach)"
+    modules = list(settings.preload_modules(args.preload))
+    others = _other_daemons(modules)
+    why = f"no daemon preloads {','.join(modules)}" + (
+        f"; running: {others} (use --preload MODULES or --all)" if others else
+        "; none is running")
+    return [m for m in metas if m["modules"] == modules], why
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    metas, why = _chosen_daemons(args)
+    found = [z for z, _ in (daemon.find_daemon(m["modules"]) for m in metas) if z is not None]
+    for zygote in found:
         print(json.dumps(zygote.status, indent=1) if args.json else format_status(zygote.status))
+    if not found:
+        print(f"preload-launcher status: {why}", file=sys.stderr)
     return 0 if found else 1
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    metas = daemon.list_daemons() if args.all else [
-        {"modules": list(settings.preload_modules(args.preload))}]
-    stopped = [daemon.stop_daemon(meta["modules"]) for meta in metas]
+    metas, why = _chosen_daemons(args)
+    stopped = [pid for pid in (daemon.stop_daemon(m["modules"]) for m in metas) if pid]
     for pid in stopped:
-        if pid:
-            print(f"preload-launcher: stopped pid {pid}")
-    return 0 if any(stopped) else 1
+        print(f"preload-launcher: stopped pid {pid}")
+    if not stopped:
+        print(f"preload-launcher stop: {why}", file=sys.stderr)
+    return 0 if stopped else 1
+
+
+PRELOAD_HELP = ("comma-separated modules the zygote preloads (default: PRELOAD_LAUNCHER_MODULES, "
+                f"else {','.join(settings.DEFAULT_MODULES)})")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="preload-launcher",
-                                     description="Run steps as children of a preloaded zygote.")
-    sub = parser.add_subparsers(dest="verb", required=True)
-    run = sub.add_parser("run", help="run one command through a zygote, exit with its code")
-    run.add_argument("--preload", default=None,
-                     help="comma-separated modules to preload (default: PRELOAD_LAUNCHER_MODULES "
-                          f"or {','.join(settings.DEFAULT_MODULES)})")
-    run.add_argument("--timeout", type=float, default=None)
-    run.add_argument("-v", "--verbose", action="store_true", help="say how the step ran")
-    run.add_argument("--no-daemon", action="store_true", help="never use a running daemon")
-    run.add_argument("command", nargs=argparse.REMAINDER)
-    doctor = sub.add_parser("doctor", help="preload, report what each module did, and exit")
-    doctor.add_argument("--preload", default=None)
-    doctor.add_argument("--json", action="store_true")
-    serve = sub.add_parser("serve", help="keep a warm zygote for `run` (a daemon)")
-    serve.add_argument("--preload", default=None)
-    serve.add_argument("--detach", action="store_true", help="return once it serves")
-    status = sub.add_parser("status", help="show running daemons")
-    status.add_argument("--preload", default=None)
-    status.add_argument("--json", action="store_true")
-    learned = sub.add_parser("learned", help="show, pin or forget learned preload entries")
-    learned.add_argument("--project", default=None, help="project root (default: cwd)")
-    learned.add_argument("--pin", action="append", metavar="MODULE")
-    learned.add_argument("--forget", action="append", metavar="MODULE")
-    learned.add_argument("--clear", action="store_true", help="forget everything learned")
-    learned.add_argument("--top", type=int, default=20, help="show the N costliest")
-    profile = sub.add_parser("profile", help="write a portable profile for fresh machines")
-    profile.add_argument("--write", required=True, metavar="FILE",
-                         help="where to write it (use it with PRELOAD_LAUNCHER_PROFILE=FILE)")
-    profile.add_argument("--project", default=None, help="project root (default: cwd)")
-    stop = sub.add_parser("stop", help="stop a daemon and the steps it runs")
-    stop.add_argument("--preload", default=None)
-    stop.add_argument("--all", action="store_true")
+    parser = argparse.ArgumentParser(
+        prog="preload-launcher",
+        description="Run python and torchrun steps as fresh children forked from a preloaded, "
+                    "CUDA-clean zygote.",
+        epilog="Run 'preload-launcher VERB --help' for a verb's options.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    _add_step_verbs(sub)
+    _add_daemon_verbs(sub)
+    _add_profile_verbs(sub)
     return parser
 
 
+def _verb(sub, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=summary, description=description)
+
+
+def _preload_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preload", default=None, metavar="MODULES", help=PRELOAD_HELP)
+
+
+def _add_step_verbs(sub) -> None:
+    run = _verb(sub, "run", "run one command, exit with its code",
+                "Run one command (python …, torchrun …) through the daemon that preloads its "
+                "modules. With no such daemon the command runs as a plain process, and a daemon "
+                "starts in the background for the next run (PRELOAD_LAUNCHER_AUTOSERVE=0: a "
+                "one-off zygote instead).")
+    _preload_option(run)
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="kill the step and everything it started after this many seconds "
+                          "(exit status 124)")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="say how the step ran (daemon, plain process or one-off zygote) and why")
+    run.add_argument("--no-daemon", action="store_true",
+                     help="neither use nor start a daemon: a one-off zygote runs the step")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    doctor = _verb(sub, "doctor", "preload, report what each module did, exit",
+                   "Start a zygote, preload, and report per module: import time, CUDA state, "
+                   "threads started, quarantines and deferrals. Exit status 0 when every "
+                   "installed module was preloaded (or deferred a culprit), 1 when one was "
+                   "quarantined or failed; a module that is not installed is a warning.")
+    _preload_option(doctor)
+    doctor.add_argument("--json", action="store_true", help="print the zygote's status as JSON")
+
+
+def _add_daemon_verbs(sub) -> None:
+    serve = _verb(sub, "serve", "keep a warm zygote (a daemon) for `run`",
+                  "Start a daemon that preloads once and serves `run` until stopped or idle.")
+    _preload_option(serve)
+    serve.add_argument("--detach", action="store_true",
+                       help="return once the daemon serves (else wait until it stops)")
+    serve.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                       help="stop after this many seconds without a request (default: "
+                            "PRELOAD_LAUNCHER_IDLE_TIMEOUT_S, else 1800; 0: never)")
+    status = _verb(sub, "status", "show running daemons", "Show each running daemon: pid, "
+                   "uptime, preload, steps served, memory, staleness.")
+    _preload_option(status)
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    stop = _verb(sub, "stop", "stop a daemon and the steps it runs",
+                 "Stop the daemon that preloads the given modules (or every daemon), its steps "
+                 "and its files.")
+    _preload_option(stop)
+    stop.add_argument("--all", action="store_true", help="stop every daemon of this user")
+
+
+def _add_profile_verbs(sub) -> None:
+    project_help = "project root (default: the current directory)"
+    learned = _verb(sub, "learned", "show, pin or forget learned preload entries",
+                    "Show the modules steps imported that the next zygote preloads, and edit "
+                    "the list.")
+    learned.add_argument("--project", default=None, help=project_help)
+    learned.add_argument("--pin", action="append", metavar="MODULE", help="always preload MODULE")
+    learned.add_argument("--forget", action="append", metavar="MODULE",
+                         help="never preload MODULE")
+    learned.add_argument("--clear", action="store_true", help="forget everything learned")
+    learned.add_argument("--top", type=int, default=20, metavar="N",
+                         help="show the N costliest modules (default 20)")
+    profile = _verb(sub, "profile", "write a portable profile for fresh machines",
+                    "Write this package set's verdicts and learned modules to a file that a "
+                    "fresh machine starts from (PRELOAD_LAUNCHER_PROFILE=FILE).")
+    profile.add_argument("--write", required=True, metavar="FILE", help="where to write it")
+    profile.add_argument("--project", default=None, help=project_help)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help(sys.stderr)
+        return 2
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
     return {"run": cmd_run, "doctor": cmd_doctor, "serve": cmd_serve, "status": cmd_status,

@@ -55,7 +55,7 @@ class ZygoteProcess:
     def __init__(self, modules: Sequence[str], env: Mapping[str, str],
                  cache_dir: Optional[str] = None, socket_path: Optional[str] = None,
                  daemon: bool = False, project: Optional[str] = None,
-                 profile: Optional[str] = None) -> None:
+                 profile: Optional[str] = None, idle_timeout_s: Optional[float] = None) -> None:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
         # Per-test variables are the step's business, never the preload's; so are thread
@@ -76,6 +76,8 @@ class ZygoteProcess:
         self.project = os.path.abspath(project or os.getcwd())
         profile = profile or self.settings.profile
         self.profile = os.path.abspath(profile) if profile else ""
+        self.idle_timeout_s = idle_timeout_s if idle_timeout_s is not None \
+            else self.settings.idle_timeout_s
         self.process: Optional[subprocess.Popen] = None
         self.status: dict = {}
         self._alive_w = -1
@@ -125,7 +127,8 @@ class ZygoteProcess:
                             project=self.project, alive_fd=alive_fd, daemon=self.daemon,
                             learn=s.learn, learn_budget_s=s.learn_budget_s, prewarm=prewarm,
                             prewarm_ranks=s.prewarm_ranks if s.prewarm_ranks is not None else gpus,
-                            profile=self.profile)
+                            profile=self.profile,
+                            idle_timeout_s=self.idle_timeout_s if self.daemon else 0.0)
 
     def wait_ready(self) -> dict:
         """Block until the preload finished; returns the zygote's status."""

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Mapping, Optional, Sequence
@@ -40,15 +41,48 @@ def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Option
         return None, meta
 
 
-def start_daemon(modules: Sequence[str], env: Mapping[str, str]) -> ZygoteProcess:
+def start_daemon(modules: Sequence[str], env: Mapping[str, str],
+                 idle_timeout_s: Optional[float] = None) -> ZygoteProcess:
     """Start a detached daemon (replacing a dead one) and wait until it serves."""
     sock, meta_path = daemon_paths(modules)
-    zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True).start()
+    zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
+                           idle_timeout_s=idle_timeout_s).start()
     meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
             "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
     write_json(meta_path, meta)
     zygote.process.returncode = 0  # detached: never reaped (or warned about) by this process
     return zygote
+
+
+def spawn_daemon(modules: Sequence[str]) -> bool:
+    """Start ``serve --detach`` in the background (for the next ``run``) unless one is starting
+    already; returns whether this call started it. Its ``.starting`` file holds the starter's
+    pid until the daemon serves."""
+    lock = starting_file(modules)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            break
+        except FileExistsError:
+            with open(lock) as f:
+                pid = f.read().strip()
+            if pid.isdigit() and _pid_alive(int(pid)):
+                return False
+            unlink_all(lock)  # its starter died: take over
+    else:
+        return False
+    proc = subprocess.Popen([sys.executable, "-m", "preload_launcher.cli", "serve", "--detach",
+                             "--preload", ",".join(modules)], start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    proc.returncode = 0  # detached: never reaped (or warned about) by this process
+    os.write(fd, str(proc.pid).encode())
+    os.close(fd)
+    return True
+
+
+def starting_file(modules: Sequence[str]) -> str:
+    return daemon_paths(modules)[0][:-len(".sock")] + ".starting"
 
 
 def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:

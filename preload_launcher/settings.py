@@ -111,6 +111,8 @@ class Settings:
     prewarm_cuda: str = "context"  # PRELOAD_LAUNCHER_PREWARM_CUDA: context, kernels or 0
     deferred: str = "lazy"  # PRELOAD_LAUNCHER_DEFERRED: when a step replays deferred imports
     profile: str = ""  # PRELOAD_LAUNCHER_PROFILE: a portable profile to start from
+    autoserve: bool = True  # PRELOAD_LAUNCHER_AUTOSERVE: `run` starts a daemon for the next run
+    idle_timeout_s: float = 1800.0  # PRELOAD_LAUNCHER_IDLE_TIMEOUT_S: a daemon's (0: never stop)
     spawn: bool = True  # PRELOAD_LAUNCHER_SPAWN: serve a step's spawned interpreters
     learn: bool = True  # PRELOAD_LAUNCHER_LEARN
     learn_budget_s: float = 60.0  # PRELOAD_LAUNCHER_LEARN_BUDGET_S
@@ -134,6 +136,8 @@ class Settings:
             prewarm_cuda=r.choice("PRELOAD_LAUNCHER_PREWARM_CUDA", PREWARM_CUDA_LEVELS, "context"),
             deferred=r.choice("PRELOAD_LAUNCHER_DEFERRED", DEFERRED_MODES, "lazy"),
             profile=r.raw("PRELOAD_LAUNCHER_PROFILE") or "",
+            autoserve=r.flag("PRELOAD_LAUNCHER_AUTOSERVE", True),
+            idle_timeout_s=r.number("PRELOAD_LAUNCHER_IDLE_TIMEOUT_S", float, 1800.0),
             spawn=r.flag("PRELOAD_LAUNCHER_SPAWN", True),
             learn=r.flag("PRELOAD_LAUNCHER_LEARN", True),
             learn_budget_s=r.number("PRELOAD_LAUNCHER_LEARN_BUDGET_S", float, 60.0),
@@ -204,6 +208,7 @@ class ZygoteConfig:
     prewarm: bool = False
     prewarm_ranks: int = 0
     profile: str = ""  # a portable profile's path ("" = none)
+    idle_timeout_s: float = 0.0  # a daemon stops after this long without a request (0: never)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

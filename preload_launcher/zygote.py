@@ -71,6 +71,7 @@ class Zygote:
         self.fresh_counts: Optional[threads.FreshCounts] = None
         self.announced = False  # the starter has our status; the ready fd is closed
         self.learn_due = False  # a step finished: what it imported may be worth learning
+        self.last_request = time.monotonic()  # for a daemon's idle timeout
 
     # -------------------------------------------------------------- start-up
 
@@ -177,9 +178,12 @@ class Zygote:
             self.fresh_counts.ask_ahead({"OMP_NUM_THREADS": "1"})
         self.fill_warm_pool()
         while not self.stopping:
-            events = self.selector.select(0 if self.learn_due and not self.steps else None)
-            if not events:
+            events = self.selector.select(0 if self.learn_due and not self.steps
+                                          else self.idle_left())
+            if not events and self.learn_due:
                 self.learn_while_idle()
+            elif not events and self.idle_left() == 0:
+                self.request_stop(f"idle for {self.config.idle_timeout_s:.0f} s")
             for key, _ in events:
                 if key.data == "accept":
                     self.accept()
@@ -246,11 +250,18 @@ class Zygote:
         if not self.config.daemon or (read_json(files["meta"]) or {}).get("pid") == os.getpid():
             unlink_all(*files.values())
 
+    def idle_left(self) -> Optional[float]:
+        """Seconds until a daemon idle since its last request stops (None: no limit)."""
+        if not self.config.idle_timeout_s or self.steps:
+            return None
+        return max(0.0, self.last_request + self.config.idle_timeout_s - time.monotonic())
+
     def request_stop(self, why: str) -> None:
         say("stopping: %s", why)
         self.stopping = True
 
     def accept(self) -> None:
+        self.last_request = time.monotonic()
         try:
             conn, _ = self.listener.accept()
         except OSError:
@@ -389,6 +400,7 @@ class Zygote:
         running = self.steps.pop(pid, None)
         if running is None:
             return
+        self.last_request = time.monotonic()  # idle from the end of the last step
         try:
             self.selector.unregister(running.conn)
         except (KeyError, ValueError):

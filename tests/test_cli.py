@@ -1,0 +1,112 @@
+"""What a new user meets: help, --version, and messages that name the cause and the next step."""
+import argparse
+import os
+import subprocess
+import time
+
+import pytest
+
+from preload_launcher.cli import build_parser
+
+from conftest import PY
+
+CLI = [PY, "-m", "preload_launcher.cli"]
+
+
+def cli(*args, env=None, timeout=120):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    path = tmp_path / "run"
+    path.mkdir()
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(path), PRELOAD_LAUNCHER_MODULES="json")
+    yield env
+    cli("stop", "--all", env=env)
+
+
+def test_version_and_usage_on_a_bare_call():
+    from preload_launcher import __version__
+    out = cli("--version")
+    assert (out.returncode, out.stdout.strip()) == (0, f"preload-launcher {__version__}")
+    bare = cli()
+    assert bare.returncode == 2 and "usage: preload-launcher" in bare.stderr
+    assert "run       run one command" in bare.stderr
+
+
+def test_every_verb_and_option_is_described():
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    undescribed = []
+    for name, sub in verbs.choices.items():
+        if not sub.description:
+            undescribed.append(name)
+        for action in sub._actions:
+            if not isinstance(action, argparse._HelpAction) and not action.help:
+                undescribed.append(f"{name} {action.dest}")
+    assert not undescribed, undescribed
+    run_help = verbs.choices["run"].format_help()
+    assert "--timeout SECONDS" in run_help and "exit status 124" in run_help
+
+
+def test_stop_and_status_say_why_there_is_nothing(runtime):
+    for verb in ("stop", "status"):
+        out = cli(verb, env=runtime)
+        assert out.returncode == 1
+        assert "none is running" in out.stderr or "no daemon is running" in out.stderr, out.stderr
+    assert cli("serve", "--detach", "--preload", "json,logging", env=runtime).returncode == 0
+    out = cli("stop", env=runtime)  # the default list names json only
+    assert out.returncode == 1
+    assert "no daemon preloads json; running: pid" in out.stderr and "json,logging" in out.stderr
+    assert "--preload MODULES or --all" in out.stderr
+    status = cli("status", env=runtime)
+    assert status.returncode == 0 and "preloaded: json, logging" in status.stdout
+    assert cli("stop", "--preload", "json,logging", env=runtime).returncode == 0
+
+
+def test_a_one_off_run_is_a_plain_process_that_starts_a_daemon_for_the_next(runtime, tmp_path):
+    step = tmp_path / "step.py"
+    step.write_text("import sys; print('hello from', sys.argv[1]); sys.exit(3)\n")
+    first = cli("run", "-v", "--", PY, str(step), "one", env=runtime)
+    assert (first.returncode, first.stdout) == (3, "hello from one\n")
+    assert "ran through a plain process: no daemon preloads json; one is starting" in first.stderr
+    deadline = time.monotonic() + 60
+    while cli("status", env=runtime).returncode != 0:
+        assert time.monotonic() < deadline, "no daemon started"
+        time.sleep(0.2)
+    second = cli("run", "-v", "--", PY, str(step), "two", env=runtime)
+    assert (second.returncode, second.stdout) == (3, "hello from two\n")
+    assert "ran through the daemon (pid" in second.stderr and "via zygote" in second.stderr
+
+
+def test_autoserve_off_runs_a_one_off_zygote(runtime, tmp_path):
+    env = dict(runtime, PRELOAD_LAUNCHER_AUTOSERVE="0")
+    out = cli("run", "-v", "--", PY, "-c", "print('x')", env=env)
+    assert out.returncode == 0 and "ran through a one-off zygote, via zygote" in out.stderr
+    assert cli("status", env=env).returncode == 1  # and no daemon was started
+
+
+def test_an_idle_daemon_stops_and_takes_its_files(runtime):
+    assert cli("serve", "--detach", "--idle-timeout", "1", env=runtime).returncode == 0
+    directory = os.path.join(runtime["XDG_RUNTIME_DIR"], f"preload_launcher-{os.getuid()}")
+    deadline = time.monotonic() + 20
+    while os.listdir(directory):
+        assert time.monotonic() < deadline, os.listdir(directory)
+        time.sleep(0.2)
+    assert cli("status", env=runtime).returncode == 1
+
+
+def test_doctor_fails_on_a_quarantine_and_warns_on_a_missing_module(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "culprit.py").write_text("from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n")
+    env = dict(os.environ, PYTHONPATH=str(site), PRELOAD_LAUNCHER_PROBE="fake",
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    ok = cli("doctor", "--preload", "json,not_installed_here", env=env)
+    assert ok.returncode == 0
+    assert ok.stdout.splitlines()[-1] == ("doctor: OK: 1 of 2 preloaded; not installed "
+                                          "(skipped): not_installed_here")
+    bad = cli("doctor", "--preload", "json,culprit", env=env)
+    assert bad.returncode == 1
+    assert bad.stdout.splitlines()[-1].startswith("doctor: FAIL: quarantined: culprit (")
