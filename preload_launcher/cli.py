@@ -14,7 +14,7 @@ from typing import Optional
 
 
 from . import __version__, daemon, learn, settings
-from .preload import SCOUTED, VerdictCache, package_fingerprint
+from .verdicts import SCOUTED, VerdictCache, package_fingerprint
 from .files import unlink_all
 from .profiles import write_profile
 from .client import Launcher, ZygoteProcess

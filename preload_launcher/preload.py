@@ -16,8 +16,6 @@ import builtins
 import collections
 import contextlib
 import gc
-import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -32,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Optional
 
 from . import learn, runtime, threads
-from .files import read_json, write_json
+from .verdicts import DEFER, LEARNED, SCOUTED, VerdictCache, package_fingerprint
 from .profiles import read_profile
 from .cuda import (PRELOAD_ENV, DriverProbe, cuda_safe_imports, nvml_device_count,
                    torch_cuda_initialized)
@@ -45,9 +43,6 @@ __all__ = ["PreloadReport", "EntryReport", "Preloader", "Quarantined", "preload"
 
 log = logging.getLogger(__name__)
 
-LEARNED = "learned:"  # verdict-cache prefix for learned packages
-DEFER = "defer:"  # verdict-cache prefix for deferred packages
-SCOUTED = "scouted:"  # verdict-cache prefix for entries known to import cleanly
 MAX_LEARNED_QUARANTINES = 5
 
 
@@ -404,40 +399,6 @@ class Scouts:
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
-
-
-# ---------------------------------------------------------------- verdict cache
-
-def package_fingerprint(path: Optional[list[str]] = None) -> str:
-    """A hash of every distribution installed on ``path`` (default ``sys.path``: in the zygote,
-    a fresh interpreter's without ``sys.path[0]``), and the interpreter."""
-    items = sorted(f"{d.metadata['Name']}=={d.version}"
-                   for d in importlib.metadata.distributions(path=sys.path if path is None else path))
-    return hashlib.sha256("\n".join([sys.executable, sys.version, *items]).encode()).hexdigest()[:16]
-
-
-class VerdictCache:
-    """Quarantine verdicts per (interpreter, packages, probe), kept on disk."""
-
-    def __init__(self, directory: str, fingerprint: str) -> None:
-        self.path = os.path.join(directory, "verdicts.json")
-        self.fingerprint = fingerprint
-
-    def get(self) -> dict[str, dict]:
-        return (read_json(self.path) or {}).get(self.fingerprint, {})
-
-    def put(self, entry: str, verdict: dict) -> None:
-        self.update({entry: verdict})
-
-    def update(self, verdicts: dict[str, dict]) -> None:
-        if not verdicts:
-            return
-        # Only the current package set's verdicts are worth keeping: versions changed otherwise.
-        data = {self.fingerprint: {**self.get(), **verdicts}}
-        try:
-            write_json(self.path, data)
-        except OSError as err:
-            log.warning("cannot write verdict cache %s: %s", self.path, err)
 
 
 # ---------------------------------------------------------------- the zygote's preload

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # Installs the project and the CPU stack it preloads (idempotent; quick when already installed).
+# Says what it is doing on a terminal; quiet in pipes and CI logs except for errors.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
+step() { if [ -t 1 ]; then echo "install.sh: $*"; fi; }
+pip_install() { $py -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 # torch first, pinned to the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
-$py -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-$py -m pip install -q --disable-pip-version-check -e ".[stack,test]" 2>&1 | grep -v "^WARNING: Location" || true
-$py -c "import torch, megatron.core, modelopt.torch, pytest_timeout, preload_launcher" \
+step "torch 2.13.0 (CPU build)…"
+pip_install "torch==2.13.0"
+step "megatron-core, nvidia-modelopt, the test tools and preload_launcher (editable)…"
+pip_install -e ".[stack,test]"
+step "checking the imports…"
+# -W ignore: megatron-core warns at import that Transformer Engine and Apex are absent (expected
+# on a CPU machine); those warnings are not errors.
+$py -W ignore -c "import torch, megatron.core, modelopt.torch, pytest_timeout, preload_launcher" \
   || { echo "install.sh: the stack did not install" >&2; exit 1; }
+step "done"

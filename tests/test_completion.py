@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from conftest import PY, program, wait_gone
+from conftest import PY, wait_gone
 
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 

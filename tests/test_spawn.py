@@ -1,8 +1,6 @@
 """Interpreters a step's multiprocessing starts (spawn, forkserver, resource tracker, Manager)
 are forked by the zygote through the spawn proxy, and behave as ``multiprocessing`` expects."""
-import glob
 import os
-import signal
 import subprocess
 import textwrap
 
