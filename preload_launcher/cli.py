@@ -89,6 +89,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _exit_status(result.returncode)
 
 
+def _terminal():
+    """Where long work shows its progress: stderr when it is a terminal, else nowhere."""
+    return sys.stderr if sys.stderr.isatty() else None
+
+
 def say(args: argparse.Namespace, how: str) -> None:
     if args.verbose:
         print(f"[preload-launcher] ran through {how}", file=sys.stderr)
@@ -216,7 +221,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     modules = settings.preload_modules(args.preload)
     zygote = ZygoteProcess(modules, os.environ)
     try:
-        status = zygote.start().status
+        status = zygote.start(progress=_terminal()).status
     except LauncherError as err:
         print(f"preload-launcher doctor: {err}", file=sys.stderr)
         return 1
@@ -251,7 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     zygote, _ = daemon.find_daemon(modules)
     if zygote is None:
         try:
-            zygote = daemon.start_daemon(modules, os.environ, args.idle_timeout)
+            zygote = daemon.start_daemon(modules, os.environ, args.idle_timeout, _terminal())
         finally:
             unlink_all(daemon.starting_file(modules))  # started (or failed): `run` may try again
         print(f"preload-launcher: serving, pid {zygote.status['pid']}, preloaded "

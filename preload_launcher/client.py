@@ -12,6 +12,7 @@ import io
 import itertools
 import locale
 import os
+import select
 import selectors
 import signal
 import socket
@@ -130,18 +131,26 @@ class ZygoteProcess:
                             profile=self.profile,
                             idle_timeout_s=self.idle_timeout_s if self.daemon else 0.0)
 
-    def wait_ready(self) -> dict:
-        """Block until the preload finished; returns the zygote's status."""
+    def wait_ready(self, progress=None) -> dict:
+        """Block until the preload finished; returns the zygote's status. ``progress``: a
+        stream (a terminal) to show the preload on, module by module, from the zygote's log."""
         if self._ready.is_set():
             if self._start_error:
                 raise self._start_error
             return self.status
         data = b""
+        shown = 0
         while not data.endswith(b"\n"):
+            if progress is not None:
+                shown = _show_progress(self.log_path, shown, progress)
+                if not select.select([self._ready_r], [], [], 0.2)[0]:
+                    continue
             chunk = os.read(self._ready_r, 1 << 16)
             if not chunk:
                 break
             data += chunk
+        if progress is not None:
+            _show_progress(self.log_path, shown, progress)
         os.close(self._ready_r)
         if not data:
             self._start_error = LauncherError(
@@ -153,9 +162,9 @@ class ZygoteProcess:
         self._ready.set()
         return self.status
 
-    def start(self) -> "ZygoteProcess":
+    def start(self, progress=None) -> "ZygoteProcess":
         self.launch()
-        self.wait_ready()
+        self.wait_ready(progress)
         return self
 
     @classmethod
@@ -250,6 +259,22 @@ def _read_events_until_eof(sock: socket.socket) -> list[dict]:
         if not data:
             return events
         events += reader.feed(data)
+
+
+def _show_progress(log_path: str, offset: int, stream) -> int:
+    """Print the zygote's new "preloading …" log lines; returns the new offset."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return offset
+    complete = data[:data.rfind(b"\n") + 1]
+    for line in complete.decode(errors="replace").splitlines():
+        if " preloading " in line:
+            stream.write("  " + line.split(" preloading ", 1)[1] + "…\n")
+            stream.flush()
+    return offset + len(complete)
 
 
 def _tail(path: str, limit: int = 4000) -> str:

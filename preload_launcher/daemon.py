@@ -42,11 +42,11 @@ def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Option
 
 
 def start_daemon(modules: Sequence[str], env: Mapping[str, str],
-                 idle_timeout_s: Optional[float] = None) -> ZygoteProcess:
+                 idle_timeout_s: Optional[float] = None, progress=None) -> ZygoteProcess:
     """Start a detached daemon (replacing a dead one) and wait until it serves."""
     sock, meta_path = daemon_paths(modules)
     zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
-                           idle_timeout_s=idle_timeout_s).start()
+                           idle_timeout_s=idle_timeout_s).start(progress)
     meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
             "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
     write_json(meta_path, meta)

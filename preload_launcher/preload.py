@@ -221,8 +221,8 @@ def deferrable_package(chain: list[str], loaded_before: set[str]) -> str:
 
 
 def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
-            blocker: Optional[Blocker] = None, scout: Callable[[str], bool] = lambda m: False
-            ) -> PreloadReport:
+            blocker: Optional[Blocker] = None, scout: Callable[[str], bool] = lambda m: False,
+            log: Callable[..., None] = lambda *a: None) -> PreloadReport:
     """Import ``modules`` in order; stop at the first that makes the process unfit to fork.
 
     Entries in ``skip`` are quarantined, and so are their submodules (importing one runs the
@@ -238,7 +238,7 @@ def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
         scouts = Scouts([m for m in modules if m not in sys.modules and scout(m)], probe, blocker) \
             if blocker is not None else None
         try:
-            _import_entries(modules, probe, skip, blocker, scouts, report)
+            _import_entries(modules, probe, skip, blocker, scouts, report, log)
         finally:
             if scouts is not None:
                 scouts.close()
@@ -247,10 +247,11 @@ def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
 
 
 def _import_entries(modules: list[str], probe: DriverProbe, skip: dict, blocker: Optional[Blocker],
-                    scouts: Optional[Scouts], report: PreloadReport) -> None:
+                    scouts: Optional[Scouts], report: PreloadReport, log: Callable) -> None:
     for module in modules:
         if _quarantined(module, report.quarantined):
             continue
+        log("preloading %s", module)
         scouted = scouts.report(module) if scouts is not None else None
         # A culprit behind a package another entry's scout had deferred is blocked already.
         if scouted is not None and is_dirty(scouted) and scouted.deferrable not in blocker.packages:
@@ -471,7 +472,7 @@ class Preloader:
         start_env = dict(os.environ)
         with threads.preload_limits(), recording_env_reads() as keys:
             report = preload(self.config.modules, self.probe, self.skip, self.blocker,
-                             self.should_scout)
+                             self.should_scout, self.log)
             found = {**report.found, **{k: v for k, v in report.quarantined.items()
                                         if k not in self.skip}}  # unguarded, found just now
             found.update({SCOUTED + e.module: {} for e in report.entries if e.ok and not is_dirty(e)})

@@ -110,3 +110,13 @@ def test_doctor_fails_on_a_quarantine_and_warns_on_a_missing_module(tmp_path):
     bad = cli("doctor", "--preload", "json,culprit", env=env)
     assert bad.returncode == 1
     assert bad.stdout.splitlines()[-1].startswith("doctor: FAIL: quarantined: culprit (")
+
+
+def test_preload_progress_shows_on_a_terminal_only(tmp_path):
+    import io
+    from preload_launcher import ZygoteProcess
+    shown = io.StringIO()
+    ZygoteProcess(["json", "logging"], dict(os.environ)).start(progress=shown).close()
+    assert shown.getvalue() == "  json…\n  logging…\n"
+    quiet = cli("doctor", "--preload", "json")  # stderr is a pipe here: no progress lines
+    assert quiet.returncode == 0 and "json…" not in quiet.stderr
