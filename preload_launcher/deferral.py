@@ -105,11 +105,9 @@ class _ReplayOnImport(importlib.abc.MetaPathFinder):
         self.deferred = dict(deferred)
 
     def find_spec(self, name, path=None, target=None):
-        cuts = self.deferred.pop(name, None) if "." not in name else None
-        if not self.deferred:
-            _remove(_ReplayOnImport)
-        if cuts is None:
+        if "." in name or name not in self.deferred:
             return None
+        cuts = self.deferred.pop(name)
         spec = _find_elsewhere(name, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
@@ -118,6 +116,8 @@ class _ReplayOnImport(importlib.abc.MetaPathFinder):
         def exec_and_replay(module):
             module.__loader__ = module.__spec__.loader = loader  # as if never wrapped
             loader.exec_module(module)
+            if not self.deferred:  # the import system is done with sys.meta_path by now
+                _remove(_ReplayOnImport)
             replay(cuts)
 
         spec.loader = _Loader(loader, exec_and_replay)
