@@ -62,8 +62,10 @@ def test_a_steps_thread_counts_are_a_fresh_interpreters(torch_launcher, threads_
 
 def test_ranks_get_torchruns_thread_counts(torch_launcher, tmp_path):
     script = tmp_path / "counts.py"
-    script.write_text("import os, json, torch\nprint(json.dumps([os.environ['RANK'], "
-                      "torch.get_num_threads(), torch.get_num_interop_threads()]))\n")
+    # One write per rank: two ranks share the output pipe, and print() writes the line and its
+    # newline separately when output is unbuffered.
+    script.write_text("import os, json, torch\nos.write(1, (json.dumps([os.environ['RANK'], "
+                      "torch.get_num_threads(), torch.get_num_interop_threads()]) + '\\n').encode())\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     args = [TORCHRUN, "--nproc_per_node=2", str(script)]
     ours = torch_launcher.run(args, env=env, timeout=120)
