@@ -31,6 +31,11 @@ time.sleep(300 if sys.argv[1] != "none" else 0)
 
 
 def zygote_fds(z: ZygoteProcess) -> int:
+    """The zygote's open fds once it has reaped every step (a step reports its exit before its
+    process is gone; until the zygote reaps it, its caller's connection is still open there)."""
+    deadline = time.monotonic() + 10
+    while z.request("status")["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     return len(os.listdir(f"/proc/{z.process.pid}/fd"))
 
 
