@@ -8,7 +8,6 @@ known to import cleanly); one file, holding only the current package set's verdi
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import logging
 import os
 import sys
@@ -28,6 +27,8 @@ SCOUTED = "scouted:"  # verdict-cache prefix for entries known to import cleanly
 def package_fingerprint(path: Optional[list[str]] = None) -> str:
     """A hash of every distribution installed on ``path`` (default ``sys.path``: in the zygote,
     a fresh interpreter's without ``sys.path[0]``), and the interpreter."""
+    import importlib.metadata  # here, not at module level: `preload-launcher run` starts faster
+
     items = sorted(f"{d.metadata['Name']}=={d.version}"
                    for d in importlib.metadata.distributions(path=sys.path if path is None else path))
     return hashlib.sha256("\n".join([sys.executable, sys.version, *items]).encode()).hexdigest()[:16]
