@@ -315,6 +315,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    daemon.wait_for_starting()
     metas, why = _chosen_daemons(args)
     stopped = [pid for pid in (daemon.stop_daemon(m["modules"]) for m in metas) if pid]
     for pid in stopped:

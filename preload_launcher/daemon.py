@@ -85,6 +85,23 @@ def starting_file(modules: Sequence[str]) -> str:
     return daemon_paths(modules)[0][:-len(".sock")] + ".starting"
 
 
+def wait_for_starting(timeout: float = 120.0) -> None:
+    """Wait for the daemons `run` is still starting, so that `stop` finds and stops them
+    instead of leaving them to come up afterwards."""
+    runtime = settings.runtime_dir()
+    deadline = time.monotonic() + timeout
+    for name in os.listdir(runtime):
+        if not name.endswith(".starting"):
+            continue
+        try:
+            with open(os.path.join(runtime, name)) as f:
+                pid = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            continue
+        while pid and _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
 def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
     """Stop the daemon and every step it runs; returns its pid, or None if none ran."""
     zygote, meta = find_daemon(modules)

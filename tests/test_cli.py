@@ -120,3 +120,12 @@ def test_preload_progress_shows_on_a_terminal_only(tmp_path):
     assert shown.getvalue() == "  json…\n  logging…\n"
     quiet = cli("doctor", "--preload", "json")  # stderr is a pipe here: no progress lines
     assert quiet.returncode == 0 and "json…" not in quiet.stderr
+
+
+def test_stop_right_after_a_one_off_run_stops_the_daemon_it_started(runtime):
+    assert cli("run", "--", PY, "-c", "pass", env=runtime).returncode == 0  # starts one
+    stop = cli("stop", env=runtime)
+    assert stop.returncode == 0 and "stopped pid" in stop.stdout, stop.stderr
+    assert cli("status", env=runtime).returncode == 1
+    directory = os.path.join(runtime["XDG_RUNTIME_DIR"], f"preload_launcher-{os.getuid()}")
+    assert os.listdir(directory) == []
