@@ -165,14 +165,15 @@ def _run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, warm_ra
         protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
         return 0
     reason = "nproc_per_node=gpu without NVML" if config is None else unsupported_reason(args, config)
-    max_ranks = Settings.from_env().max_ranks
+    wanted = Settings.from_env()
+    max_ranks = wanted.max_ranks
     if not reason and config.nproc_per_node > max_ranks:
         # torchrun would try to start them all; refuse the way torchrun refuses bad values.
         protocol.send_event(conn_fd, "exec", t=time.time())
         print(f"ValueError: --nproc-per-node={config.nproc_per_node} exceeds the limit of "
               f"{max_ranks} local ranks (PRELOAD_LAUNCHER_MAX_RANKS)", file=sys.stderr)
         return 1
-    if not reason and cuda.fork_refusal(cuda.probe_for(Settings.from_env())):
+    if not reason and cuda.fork_refusal(cuda.probe_for(wanted)):
         reason = "the agent initialised CUDA while parsing; ranks cannot be forked from it"
     if reason:
         protocol.send_event(conn_fd, "fallback", reason=reason, retire=False)

@@ -395,10 +395,7 @@ class Scouts:
     @staticmethod
     def _end(pid: int, report_r: int) -> None:
         os.close(report_r)
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        runtime.signal_group(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
 
 

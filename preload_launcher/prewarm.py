@@ -37,13 +37,7 @@ def wait_as_warm_child(sock: socket.socket, state: runtime.ZygoteState) -> int:
     """Make the context, wait for one step, become it."""
     runtime.die_with_parent()
     cuda.warm_context(0, state.prewarm_cuda)
-    try:
-        spec, fds = protocol.recv_request_blocking(sock)
-    except (OSError, ValueError):
-        return 0  # the zygote went away or restarted: nothing to serve
-    *step_fds, conn_fd = fds
-    state.zygote_fds = [sock.fileno()]
-    return step.become_step(spec, step_fds, conn_fd, state)
+    return become_handed_step(sock, state, None)
 
 
 def wait_as_warm_agent(sock: socket.socket, state: runtime.ZygoteState, nproc: int) -> int:
@@ -51,14 +45,21 @@ def wait_as_warm_agent(sock: socket.socket, state: runtime.ZygoteState, nproc: i
     ranks that do not fit it are released."""
     runtime.die_with_parent()
     ranks = agent.fork_waiting_ranks(nproc, state, warm_cuda=True, close_fds=(sock.fileno(),))
+    return become_handed_step(sock, state, ranks)
+
+
+def become_handed_step(sock: socket.socket, state: runtime.ZygoteState,
+                       warm_ranks: Optional[dict]) -> int:
+    """Wait for the zygote to hand over one step (with the caller's connection last among its
+    fds), then become it; nothing to serve (the zygote went away or restarted): exit 0."""
     try:
         spec, fds = protocol.recv_request_blocking(sock)
     except (OSError, ValueError):
-        agent.release_ranks(ranks)
+        agent.release_ranks(warm_ranks or {})
         return 0
     *step_fds, conn_fd = fds
-    state.zygote_fds = [sock.fileno()]
-    return step.become_step(spec, step_fds, conn_fd, state, warm_ranks=ranks)
+    state.zygote_fds = [sock.fileno()]  # closed by the step's set-up
+    return step.become_step(spec, step_fds, conn_fd, state, warm_ranks=warm_ranks)
 
 
 class WarmPool:
@@ -103,10 +104,7 @@ class WarmPool:
         try:
             protocol.send_request(warm.sock, spec, [*fds, conn.fileno()])
         except OSError:
-            try:
-                os.killpg(warm.pid, signal.SIGKILL)  # it died waiting: reaped as a non-step
-            except ProcessLookupError:
-                pass
+            runtime.signal_group(warm.pid, signal.SIGKILL)  # it died waiting: reaped as a non-step
             return None
         finally:
             warm.sock.close()

@@ -169,6 +169,14 @@ def close_step_output(keep: int) -> None:
 
 # ---------------------------------------------------------------- set-up
 
+def signal_group(pgid: int, signum: int) -> None:
+    """``killpg`` that does not mind a group already gone (or not ours any more)."""
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL us when the forking process dies (Linux only)."""
     try:
@@ -245,7 +253,7 @@ def reseed_random_generators() -> None:
 
 def use_spawn_proxy(executable: str) -> None:
     """Interpreters this step's multiprocessing starts are forked by the zygote (spawn_proxy)."""
-    if executable and Settings.from_env().spawn:
+    if executable:
         import multiprocessing.spawn
         multiprocessing.spawn.set_executable(executable)
 
@@ -269,6 +277,7 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
     os.chdir(spec.cwd)
     reseed_random_generators()
     threads.apply_fresh_counts(spec.thread_counts)
-    deferral.install_for_step(state.deferred, Settings.from_env().deferred)
-    use_spawn_proxy(state.spawn_executable)
+    wanted = Settings.from_env()  # the step's own environment asks
+    deferral.install_for_step(state.deferred, wanted.deferred)
+    use_spawn_proxy(state.spawn_executable if wanted.spawn else "")
     redirect_to_files(spec.stdout_file, spec.stderr_file)

@@ -197,7 +197,7 @@ class Zygote:
                 else:
                     self.on_step_conn(key.data)
         for running in list(self.steps.values()):
-            _killpg(running.pid, signal.SIGKILL)
+            runtime.signal_group(running.pid, signal.SIGKILL)
 
     def verify_hints(self) -> None:
         """Re-verify a portable profile's verdicts for another package set, each in a forked
@@ -371,12 +371,12 @@ class Zygote:
         if messages is None:
             # The caller is gone (killed, timed out with os._exit) or talks nonsense: the
             # step goes too.
-            _killpg(running.pid, signal.SIGKILL)
+            runtime.signal_group(running.pid, signal.SIGKILL)
             self.selector.unregister(running.conn)
             return
         for message in messages:
             if message.get("op") == "signal":
-                _killpg(running.pid, int(message["signum"]))
+                runtime.signal_group(running.pid, int(message["signum"]))
 
     def reap(self) -> None:
         while True:
@@ -387,7 +387,7 @@ class Zygote:
             if info is None:
                 break
             # The leader is a zombie: its group cannot be recycled yet, so this is safe.
-            _killpg(info.si_pid, signal.SIGKILL)
+            runtime.signal_group(info.si_pid, signal.SIGKILL)
             _, status = os.waitpid(info.si_pid, 0)
             if self.warm:
                 self.warm.reaped(info.si_pid)
@@ -426,13 +426,6 @@ def _peer_is_same_user(conn: socket.socket) -> bool:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid == os.getuid()
-
-
-def _killpg(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def main(config_json: str, base_path: list[str]) -> None:
