@@ -533,9 +533,10 @@ class Preloader:
         # __init__ chain, so one dirty module rules out its package, not learning as a whole.
         return {k[len(LEARNED):] for k in self.skip if k.startswith(LEARNED)}
 
-    def learn(self, keep_going: Callable[[], bool]) -> dict:
+    def learn(self, keep_going: Callable[[], bool], changed: bool = True) -> dict:
         """Import the learned modules this process lacks while ``keep_going()`` and the budget
-        (for the zygote's whole life) allow; raises ``Quarantined`` for a dirty one."""
+        (for the zygote's whole life) allow; raises ``Quarantined`` for a dirty one. The profile
+        is saved when ``changed`` or when something was imported."""
         modules = [m for m in self.profile.to_preload(exclude=set(self.config.modules))
                    if top_level(m) not in self.refused | self.blocker.packages]
         budget = self.config.learn_budget_s - self.learn_spent_s
@@ -544,7 +545,8 @@ class Preloader:
         summary["imported"] = len(summary["costs"])
         for module, seconds in summary.pop("costs").items():
             self.profile.record_cost(module, seconds)
-        self.profile.save()
+        if changed or summary["imported"]:  # not rewritten after every step for nothing
+            self.profile.save()
         if dirty is not None:
             self.quarantine(dirty, LEARNED + top_level(dirty.module))
         return summary
@@ -554,8 +556,8 @@ class Preloader:
         time while ``idle()``: later steps of the same session profit from earlier ones."""
         if self.profile is None:
             return {"imported": 0}
-        self.profile.merge_reports()
-        return self.learn(idle)
+        merged = self.profile.merge_reports()
+        return self.learn(idle, changed=merged > 0)
 
 
 def hint_holds(key: str, probe: DriverProbe, blocker: Blocker) -> bool:
