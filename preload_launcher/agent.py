@@ -22,7 +22,7 @@ from . import child, cuda, protocol, runtime
 from .command import PythonTarget, StepSpec, parse_python_argv
 from .settings import Settings
 
-__all__ = ["run_agent", "rank_envs", "unsupported_reason", "fork_waiting_ranks", "release_ranks",
+__all__ = ["run_agent", "serve_launch", "rank_envs", "unsupported_reason", "fork_waiting_ranks", "release_ranks",
            "RankHandle"]
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "", socket.gethostname()}
@@ -121,12 +121,17 @@ def rank_envs(config, master_addr: str, master_port: int, error_files: dict[int,
 
 
 def _parse(spec: StepSpec):
-    """torchrun's own parsing; returns (args, config, cmd, cmd_args) or raises SystemExit."""
+    """torchrun's own parsing of the step's arguments (raises SystemExit on a usage error)."""
     from torch.distributed import run as torchrun
     # argparse names itself after argv[0]: "torchrun", or "run.py" under python -m.
     program = spec.args[0] if os.path.basename(spec.args[0]) == "torchrun" else torchrun.__file__
     sys.argv = [program, *spec.torchrun_args]
-    args = torchrun.parse_args(spec.torchrun_args)
+    return torchrun.parse_args(spec.torchrun_args)
+
+
+def _configure(args):
+    """What torchrun's ``run()`` makes of its arguments: (args, config, cmd, cmd_args)."""
+    from torch.distributed import run as torchrun
     # The rendezvous defaults of torchrun's ``run()``, which config_from_args does not apply.
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
                            and args.master_port is None
@@ -150,17 +155,26 @@ def run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int,
     """Serve one torchrun step; ``warm_ranks`` (local rank -> pre-forked rank) are used when
     they fit the launch and released otherwise."""
     try:
-        return _run_agent(spec, state, conn_fd, warm_ranks or {})
+        try:
+            args = _parse(spec)
+        except SystemExit as exc:  # argparse already printed torchrun's usage error
+            protocol.send_event(conn_fd, "exec", t=time.time())
+            return exc.code if isinstance(exc.code, int) else 1
+        return serve_launch(spec, state, conn_fd, args, _explicit_master_port(spec.torchrun_args),
+                            warm_ranks or {})
     finally:
         release_ranks(warm_ranks or {})
 
 
-def _run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, warm_ranks: dict) -> int:
+def serve_launch(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args,
+                 explicit_port: bool, warm_ranks: Optional[dict] = None,
+                 failure_code: Optional[int] = None) -> int:
+    """Serve a launch described by torchrun's arguments (``args``, a namespace from torchrun's
+    parser, or from another launcher that hands its launch to torchrun's ``run()``, which
+    then exits ``failure_code`` when a rank failed)."""
+    warm_ranks = warm_ranks or {}
     try:
-        args, config, cmd, cmd_args = _parse(spec)
-    except SystemExit as exc:  # argparse already printed torchrun's usage error
-        protocol.send_event(conn_fd, "exec", t=time.time())
-        return exc.code if isinstance(exc.code, int) else 1
+        args, config, cmd, cmd_args = _configure(args)
     except ValueError as exc:
         protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
         return 0
@@ -188,8 +202,10 @@ def _run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, warm_ra
     if len(warm_ranks) != config.nproc_per_node:
         release_ranks(warm_ranks)
         warm_ranks.clear()
-    agent = Agent(spec, state, args, config, target, warm_ranks)
+    agent = Agent(spec, state, args, config, target, explicit_port, warm_ranks)
     code = agent.run()
+    if failure_code is not None and code > 0:
+        code = failure_code
     agent.finish(code)
     return code
 
@@ -250,8 +266,9 @@ def wait_as_rank(rank: int, sock: socket.socket, state: runtime.ZygoteState,
 
 class Agent:
     def __init__(self, spec: StepSpec, state: runtime.ZygoteState, args, config, target: PythonTarget,
-                 warm_ranks: Optional[dict[int, RankHandle]] = None):
+                 explicit_port: bool, warm_ranks: Optional[dict[int, RankHandle]] = None):
         self.spec = spec
+        self.explicit_port = explicit_port
         self.state = state
         self.args = args
         self.config = config
@@ -273,8 +290,8 @@ class Agent:
         """Where the agent hosts the store: an explicit port is honoured, else a free one."""
         if self.config.rdzv_backend == "static":
             addr = self.args.master_addr
-            explicit = _explicit_master_port(self.spec.torchrun_args)
-            port = int(self.args.master_port) if explicit else int(os.environ.get("MASTER_PORT", 0))
+            port = int(self.args.master_port) if self.explicit_port \
+                else int(os.environ.get("MASTER_PORT", 0))
             return addr, port
         host, _, port = (self.config.rdzv_endpoint or "localhost:0").rpartition(":")
         return host or "localhost", int(port or 0) or int(os.environ.get("MASTER_PORT", 0))

@@ -74,6 +74,8 @@ def apply_interpreter_options(target: PythonTarget, base_path: list[str]) -> Non
     path0 = _path0(target)
     sys.path[:] = ([path0] if path0 is not None else []) + list(base_path)
     sys.argv = [target.value if target.kind == "script" else f"-{target.kind[0]}", *target.args]
+    if target.executable:
+        sys.executable = target.executable
     sys.dont_write_bytecode = target.dont_write_bytecode or bool(
         os.environ.get("PYTHONDONTWRITEBYTECODE"))
     for option in target.warnoptions:

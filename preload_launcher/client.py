@@ -22,9 +22,9 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence, Union
 
-from . import cuda, protocol, settings
-from .command import StepSpec, Unsupported, parse_command
-from .files import unlink_all, zygote_files
+from . import cuda, protocol, settings, standin
+from .command import StepSpec, Unsupported, parse_command, resolves_to_this_interpreter
+from .files import remove_all, unlink_all, zygote_files
 from .result import LauncherError, StepResult
 from .settings import Settings, ZygoteConfig
 
@@ -73,6 +73,7 @@ class ZygoteProcess:
             raise LauncherError(f"socket path {self.socket_path!r} is too long for a Unix socket; "
                                 "set XDG_RUNTIME_DIR to a shorter directory")
         self.log_path = zygote_files(self.socket_path)["log"]
+        self.standins = ""  # the stand-in program for this zygote's steps ("" = none)
         self.daemon = daemon
         self.project = os.path.abspath(project or os.getcwd())
         profile = profile or self.settings.profile
@@ -114,7 +115,30 @@ class ZygoteProcess:
             if alive_r >= 0:
                 os.close(alive_r)
         self._alive_w, self._ready_r = alive_w, ready_r
+        self.install_standins()
         return self
+
+    def install_standins(self) -> None:
+        """Written here, not by the zygote, so a step may run before the preload is done: its
+        stand-ins wait in the listener's queue."""
+        try:
+            self.standins = standin.install(zygote_files(self.socket_path)["standins"],
+                                            self.socket_path)
+        except OSError:
+            self.standins = ""
+
+    def path_for(self, env: Mapping[str, str], cwd: str) -> Optional[str]:
+        """``env``'s PATH with stand-ins first for the names there that start this interpreter
+        (python, python3, python3.X, torchrun, accelerate); None when there are none."""
+        if not self.standins:
+            return None
+        names = [name for name in standin.nested_names()
+                 if resolves_to_this_interpreter(name, env, cwd,
+                                                 python_sibling=not name.startswith("python"))]
+        if not names:
+            return None
+        entry = standin.path_entry(os.path.dirname(self.standins), names)
+        return os.pathsep.join([entry, env.get("PATH", os.defpath)])
 
     def config(self, listen_fd: int, ready_fd: int, alive_fd: int) -> ZygoteConfig:
         """The zygote's settings snapshot. Pre-warming is the daemon's default where there are
@@ -162,6 +186,15 @@ class ZygoteProcess:
         self._ready.set()
         return self.status
 
+    def poll_ready(self) -> bool:
+        """True once the preload has finished well; never waits for it."""
+        if not self._ready.is_set() and select.select([self._ready_r], [], [], 0)[0]:
+            try:
+                self.wait_ready()
+            except LauncherError:
+                pass
+        return self._ready.is_set() and self._start_error is None
+
     def start(self, progress=None) -> "ZygoteProcess":
         self.launch()
         self.wait_ready(progress)
@@ -178,6 +211,8 @@ class ZygoteProcess:
         z.status = z.request("status")
         z.modules = list(z.status["modules"])
         z.log_path = zygote_files(socket_path)["log"]
+        program = os.path.join(zygote_files(socket_path)["standins"], standin.PROGRAM)
+        z.standins = program if os.access(program, os.X_OK) else ""
         z._ready.set()
         return z
 
@@ -216,7 +251,7 @@ class ZygoteProcess:
                 self.process.wait()
         # A zygote that ended well leaves nothing behind; a failed one keeps its log.
         files = zygote_files(self.socket_path)
-        unlink_all(files["socket"], files["proxy"])
+        remove_all(files["socket"], files["standins"])
         if clean:
             unlink_all(files["log"])
 
@@ -394,7 +429,8 @@ class Launcher:
         self.zygotes: list[ZygoteProcess] = []
         # Measured, never estimated: steps each way and the seconds they took, the seconds
         # callers waited for a zygote's preload, and how many zygotes were started.
-        self.stats = {"zygote": 0, "subprocess": 0, "reasons": {}, "zygotes_started": 0,
+        self.stats = {"zygote": 0, "subprocess": 0, "with_standins": 0, "reasons": {},
+                      "zygotes_started": 0,
                       "seconds": {"zygote": 0.0, "subprocess": 0.0}, "waited_s": 0.0}
         self._lock = threading.Lock()
 
@@ -455,8 +491,8 @@ class Launcher:
         parsed = parse_command(args, step_env, step_cwd) if isinstance(args, list) \
             else Unsupported("command given as a string")
         if isinstance(parsed, Unsupported):
-            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
-                                               parsed.reason))
+            return self._run_with_standins(args, cwd, step_env, step_cwd, timeout, check, echo,
+                                           parsed.reason)
         waiting = time.monotonic()
         try:
             zygote = self.zygote_for(step_env)
@@ -479,6 +515,53 @@ class Launcher:
         if check and result.returncode:
             raise subprocess.CalledProcessError(result.returncode, args, result.stdout)
         return result
+
+    def _run_with_standins(self, args, cwd, step_env: dict[str, str], step_cwd: str,
+                           timeout, check, echo, reason: str) -> StepResult:
+        """A step the zygote cannot serve runs as a subprocess; the interpreters it starts
+        (python, torchrun, accelerate on its PATH) are forked by the zygote (``standin``)."""
+        path = None
+        if Settings.from_env(step_env).nested:
+            try:
+                path = self.zygote_for_standins(step_env).path_for(step_env, step_cwd)
+            except (LauncherError, OSError):
+                path = None
+        if path is None:
+            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo, reason))
+        result = _run_subprocess(args, cwd, dict(step_env, PATH=path), timeout, check, echo,
+                                 f"{reason}; the interpreters it starts are forked by the zygote")
+        with self._lock:
+            self.stats["with_standins"] += 1
+        return self._count(result)
+
+    def zygote_for_standins(self, env: Mapping[str, str]) -> ZygoteProcess:
+        """A zygote for the interpreters a subprocess may start, without waiting for its
+        preload (the subprocess may never start one) and without replacing one: a ready one
+        that fits ``env``, else any of this preload set (it checks each interpreter's own
+        environment and refuses what its preload would have imported differently), else a
+        new one."""
+        modules = list(self.preload_set())
+        with self._lock:
+            same = [z for z in self.zygotes if z.modules == modules and
+                    (not z._ready.is_set() or z.alive())]
+            fitting = [z for z in same if z._ready.is_set() and z.matches(env)]
+            if fitting or same:
+                return (fitting or same)[0]
+            if len(self.zygotes) >= self.max_zygotes:
+                self.zygotes.pop(0).close()
+            return self._launch(modules, env)
+
+    def standin_steps(self) -> int:
+        """Interpreters the stand-ins handed to this launcher's live zygotes, as they count."""
+        with self._lock:
+            zygotes = [z for z in self.zygotes if z.poll_ready()]
+        total = 0
+        for z in zygotes:
+            try:
+                total += int(z.request("status").get("standin_steps", 0))
+            except (OSError, ValueError):
+                pass
+        return total
 
     def _retire(self, zygote: ZygoteProcess) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ class PythonTarget:
     dont_write_bytecode: bool = False
     warnoptions: list[str] = field(default_factory=list)
     xoptions: list[str] = field(default_factory=list)
+    executable: str = ""  # sys.executable as python computes it from argv[0] ("" = the zygote's)
 
 
 @dataclass
@@ -45,7 +46,9 @@ class StepSpec:
     target: Optional[PythonTarget] = None  # single-rank python step
     torchrun_args: Optional[list[str]] = None  # multi-rank step: torchrun's own arguments
     grace_s: float = 30.0  # SIGTERM -> SIGKILL grace for sibling ranks (torchrun's default)
-    spawned: bool = False  # an interpreter a step's multiprocessing started (spawn_proxy)
+    spawned: bool = False  # an interpreter a step's multiprocessing started (standin)
+    nested: bool = False  # a stand-in's command line, for the zygote to classify (standin)
+    accelerate_args: Optional[list[str]] = None  # ``accelerate launch``'s own arguments
     fd_targets: Optional[list[int]] = None  # where the passed fds go; default stdin, output
     stdout_file: str = ""  # a rank's torchrun log files (--redirects/--tee); "" = the console
     stderr_file: str = ""
@@ -133,6 +136,13 @@ def resolves_to_this_interpreter(program: str, env: dict[str, str], cwd: str,
     return _probe_executable(probe, path_env, cwd, selector) == sys.executable
 
 
+def _invoked_path(program: str, env: dict[str, str], cwd: str) -> str:
+    """``sys.executable`` as python computes it from ``argv[0]``: a path is made absolute
+    (links kept), a bare name is looked up on PATH."""
+    found = program if os.sep in program else shutil.which(program, path=env.get("PATH", os.defpath))
+    return os.path.normpath(os.path.join(cwd, found)) if found else ""
+
+
 def _looks_like_python(program: str) -> bool:
     name = os.path.basename(program)
     return (name in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
@@ -214,10 +224,14 @@ def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepS
         return Unsupported("empty command")
     check_exec_limits(args, env)
     program = args[0]
-    if os.path.basename(program) == "torchrun":
+    if os.path.basename(program) in ("torchrun", "accelerate"):
         if not resolves_to_this_interpreter(program, env, cwd, python_sibling=True):
             return Unsupported(f"{program} does not run {sys.executable}")
-        return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(args[1:]))
+        if os.path.basename(program) == "torchrun":
+            return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(args[1:]))
+        if args[1:2] != ["launch"]:
+            return Unsupported(f"accelerate {' '.join(args[1:2])} is not a launch")
+        return StepSpec(args=list(args), env=env, cwd=cwd, accelerate_args=list(args[2:]))
     if not _looks_like_python(program):
         return Unsupported(f"{os.path.basename(program)} is not a python interpreter")
     if not resolves_to_this_interpreter(program, env, cwd):
@@ -225,9 +239,12 @@ def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepS
     target = parse_python_argv(list(args))
     if isinstance(target, Unsupported):
         return target
+    target.executable = _invoked_path(program, env, cwd)
     if target.kind == "script" and not os.path.isfile(os.path.join(cwd, target.value)) \
             and os.path.exists(os.path.join(cwd, target.value)):
         return Unsupported("directory or archive as script")
     if target.kind == "module" and target.value == "torch.distributed.run":
         return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(target.args))
+    if target.kind == "module" and target.value == "accelerate.commands.launch":
+        return StepSpec(args=list(args), env=env, cwd=cwd, accelerate_args=list(target.args))
     return StepSpec(args=list(args), env=env, cwd=cwd, target=target)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Optional
 
-__all__ = ["read_json", "write_json", "unlink_all", "zygote_files"]
+__all__ = ["read_json", "write_json", "unlink_all", "zygote_files", "remove_all"]
 
 
 def read_json(path: str) -> Optional[dict]:
@@ -36,9 +37,19 @@ def unlink_all(*paths: str) -> None:
             pass
 
 
+def remove_all(*paths: str) -> None:
+    """Remove files and directories (the stand-ins' directory) that may be gone already."""
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            unlink_all(path)
+
+
 def zygote_files(socket_path: str) -> dict[str, str]:
     """The files of the zygote listening at ``socket_path`` (``….sock``): its socket, its log,
-    the spawn proxy it writes and, for a daemon, the metadata its starter writes."""
+    the directory of its stand-ins (``standin``) and, for a daemon, the metadata its starter
+    writes."""
     base = socket_path[:-len(".sock")]
-    return {"socket": socket_path, "log": base + ".log", "proxy": base + ".python",
+    return {"socket": socket_path, "log": base + ".log", "standins": base + ".bin",
             "meta": base + ".json"}

@@ -98,7 +98,9 @@ class WarmPool:
         matches; returns its pid, or None to fork a cold child."""
         kind = "torchrun" if spec.get("torchrun_args") is not None else "python"
         warm = self.waiting.get(kind)
-        if warm is None or spec.get("spawned") or cuda_env(spec.get("env") or {}) != warm.env:
+        # An accelerate launch forks its program: it must not start from a CUDA context.
+        if (warm is None or spec.get("spawned") or spec.get("accelerate_args") is not None
+                or cuda_env(spec.get("env") or {}) != warm.env):
             return None
         self.waiting[kind] = None
         try:

@@ -114,6 +114,7 @@ class Settings:
     autoserve: bool = True  # PRELOAD_LAUNCHER_AUTOSERVE: `run` starts a daemon for the next run
     idle_timeout_s: float = 1800.0  # PRELOAD_LAUNCHER_IDLE_TIMEOUT_S: a daemon's (0: never stop)
     spawn: bool = True  # PRELOAD_LAUNCHER_SPAWN: serve a step's spawned interpreters
+    nested: bool = True  # PRELOAD_LAUNCHER_NESTED: serve interpreters a non-python step starts
     learn: bool = True  # PRELOAD_LAUNCHER_LEARN
     learn_budget_s: float = 60.0  # PRELOAD_LAUNCHER_LEARN_BUDGET_S
     max_ranks: int = 1024  # PRELOAD_LAUNCHER_MAX_RANKS
@@ -139,6 +140,7 @@ class Settings:
             autoserve=r.flag("PRELOAD_LAUNCHER_AUTOSERVE", True),
             idle_timeout_s=r.number("PRELOAD_LAUNCHER_IDLE_TIMEOUT_S", float, 1800.0),
             spawn=r.flag("PRELOAD_LAUNCHER_SPAWN", True),
+            nested=r.flag("PRELOAD_LAUNCHER_NESTED", True),
             learn=r.flag("PRELOAD_LAUNCHER_LEARN", True),
             learn_budget_s=r.number("PRELOAD_LAUNCHER_LEARN_BUDGET_S", float, 60.0),
             max_ranks=r.number("PRELOAD_LAUNCHER_MAX_RANKS", int, 1024, minimum=1),

@@ -1,5 +1,5 @@
-"""Stage 4: a forked process becomes its step: a python program, a torchrun agent, or an
-interpreter a step's ``multiprocessing`` spawned. Started cold (forked for the request) or
+"""Stage 4: a forked process becomes its step: a python program, a torchrun agent, an
+``accelerate launch``, or an interpreter a step's ``multiprocessing`` spawned. Started cold (forked for the request) or
 warm (forked ahead, see ``prewarm``); the same function serves both.
 """
 
@@ -9,7 +9,7 @@ import fcntl
 import os
 from typing import Optional
 
-from . import agent, child, protocol, runtime
+from . import accelerate_launch, agent, child, protocol, runtime
 from .command import StepSpec, Unsupported, parse_python_argv
 
 __all__ = ["become_step"]
@@ -31,6 +31,8 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: runtime.Zy
         return 255
     if spec.torchrun_args is not None:
         return agent.run_agent(spec, state, conn_fd, warm_ranks)
+    if spec.accelerate_args is not None:
+        return accelerate_launch.run_accelerate(spec, state, conn_fd)
     target = spec.target or parse_python_argv(spec.args)  # a spawned interpreter's command line
     if isinstance(target, Unsupported):
         protocol.send_event(conn_fd, "fallback", reason=target.reason, retire=False)

@@ -18,8 +18,9 @@ import sys
 import time
 from typing import Optional
 
-from . import cuda, procfs, protocol, runtime, spawn_proxy, step, threads
-from .files import read_json, unlink_all, zygote_files
+from . import cuda, procfs, protocol, runtime, standin, step, threads
+from .command import Unsupported, parse_command
+from .files import read_json, remove_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
                       hint_holds)
 from .prewarm import WarmPool
@@ -67,6 +68,7 @@ class Zygote:
         self.warm = WarmPool(config.prewarm_ranks, self.child_state) if config.prewarm else None
         self.restart_reason = ""
         self.spawn_executable = ""
+        self.standin_steps = 0  # interpreters stand-ins asked for and this zygote forked
         self.preloader: Optional[Preloader] = None
         self.fresh_counts: Optional[threads.FreshCounts] = None
         self.announced = False  # the starter has our status; the ready fd is closed
@@ -88,7 +90,7 @@ class Zygote:
         self.learn_reports_dir = self.preloader.learn_reports_dir
 
         self.snapshot_signals()  # after preload: handlers that imports install are kept
-        self.install_spawn_proxy()
+        self.use_standins()
         freeze_image()
         self.announce_ready()
 
@@ -120,15 +122,14 @@ class Zygote:
             if handler is not None:
                 self.signal_handlers[signum] = handler
 
-    def install_spawn_proxy(self) -> None:
-        """Write the executable a step's multiprocessing runs instead of python."""
-        path = zygote_files(self.config.socket_path)["proxy"]
-        try:
-            if spawn_proxy.write_executable(path, self.config.socket_path):
-                self.spawn_executable = path
-                import multiprocessing.spawn  # noqa: F401  (preloaded for the children)
-        except OSError as err:
-            say("spawned interpreters will not be served: %s", err)
+    def use_standins(self) -> None:
+        """A step's multiprocessing runs the stand-in its starter installed instead of python."""
+        program = os.path.join(zygote_files(self.config.socket_path)["standins"], standin.PROGRAM)
+        if os.access(program, os.X_OK):
+            self.spawn_executable = program
+            import multiprocessing.spawn  # noqa: F401  (preloaded for the children)
+        else:
+            say("spawned interpreters will not be served: no stand-in at %s", program)
 
     def announce_ready(self) -> None:
         self.watch = StalenessWatch() if self.config.daemon else None
@@ -154,6 +155,7 @@ class Zygote:
             "warm_pid": self.warm.pid("python") if self.warm else None,
             "warm_agent_pid": self.warm.pid("torchrun") if self.warm else None,
             "warm_served": self.warm.served if self.warm else 0,
+            "standin_steps": self.standin_steps,
             "stale": self.watch.changes() if self.watch else [],
         }
 
@@ -248,7 +250,7 @@ class Zygote:
         behind: its socket, spawn proxy and log, and a daemon's metadata while it names us."""
         files = zygote_files(self.config.socket_path)
         if not self.config.daemon or (read_json(files["meta"]) or {}).get("pid") == os.getpid():
-            unlink_all(*files.values())
+            remove_all(*files.values())
 
     def idle_left(self) -> Optional[float]:
         """Seconds until a daemon idle since its last request stops (None: no limit)."""
@@ -296,6 +298,14 @@ class Zygote:
             _send_error(conn, f"unknown request {op!r}")
 
     def fork_step(self, conn: socket.socket, spec: dict, fds: list[int]) -> None:
+        if spec.get("nested"):
+            spec = self.classify_standin(spec)
+            if isinstance(spec, str):  # the stand-in runs the real program
+                protocol.send_event(conn, "fallback", reason=spec, retire=False)
+                runtime.close_fds(fds)
+                conn.close()
+                return
+            self.standin_steps += 1
         self.check_staleness()
         dirty = cuda.fork_refusal(self.probe)
         if dirty or self.restart_reason:
@@ -322,6 +332,22 @@ class Zygote:
         self.selector.register(conn, selectors.EVENT_READ, self.steps[pid])
         self.fill_warm_pool()
 
+    def classify_standin(self, spec: dict):
+        """A stand-in's command classified as the client classifies a step: the spec to fork,
+        or why the real program must run (not served, or an environment the preload's imports
+        would have seen differently)."""
+        try:
+            parsed = parse_command(spec["args"], spec["env"], spec["cwd"])
+        except OSError as err:
+            return str(err)
+        if isinstance(parsed, Unsupported):
+            return parsed.reason
+        import_env = self.report.import_env if self.report else {}
+        differs = sorted(k for k, v in import_env.items() if spec["env"].get(k) != v)
+        if differs:
+            return f"its environment differs from the preload's in {', '.join(differs[:3])}"
+        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"]}
+
     def check_staleness(self) -> None:
         """A daemon whose preloaded code or packages changed restarts once idle."""
         changes = self.watch.changes() if self.watch and not self.restart_reason else []
@@ -339,8 +365,10 @@ class Zygote:
             self.fresh_counts = threads.FreshCounts(
                 os.path.join(self.config.cache_dir, f"threads-{self.preloader.fingerprint}.json"),
                 defaults)
-        return self.fresh_counts.table_for(spec.get("env") or {},
-                                           multi_rank=spec.get("torchrun_args") is not None)
+        # Launchers give their processes OMP_NUM_THREADS=1 (torchrun for several ranks,
+        # accelerate by default): that count is asked for too.
+        launcher = spec.get("torchrun_args") is not None or spec.get("accelerate_args") is not None
+        return self.fresh_counts.table_for(spec.get("env") or {}, multi_rank=launcher)
 
     def child_state(self) -> runtime.ZygoteState:
         others = [s.conn.fileno() for s in self.steps.values()]

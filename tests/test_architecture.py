@@ -10,7 +10,7 @@ import sys
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "preload_launcher")
 ZYGOTE_SIDE = {"zygote", "preload", "prewarm", "step", "runtime", "child", "agent", "procfs",
-               "learn"}
+               "learn", "accelerate_launch"}
 
 
 def sources() -> dict[str, str]:
@@ -65,8 +65,8 @@ def test_one_fork_and_one_child_exit():
     forks = {name: s.count("os.fork(") for name, s in src.items() if "os.fork(" in s}
     assert forks == {"runtime": 1}
     exits = {name: s.count("os._exit(") for name, s in src.items() if "os._exit(" in s}
-    # runtime: every forked process; zygote: the zygote's own end; spawn_proxy: its program.
-    assert exits == {"runtime": 1, "zygote": 1, "spawn_proxy": 1}, exits
+    # runtime: every forked process; zygote: the zygote's own end; standin: its program.
+    assert exits == {"runtime": 1, "zygote": 1, "standin": 1}, exits
 
 
 def test_only_settings_reads_the_launchers_variables():

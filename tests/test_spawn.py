@@ -8,6 +8,11 @@ import pytest
 
 from conftest import PY, wait_gone
 from preload_launcher.files import zygote_files
+from preload_launcher.standin import PROGRAM
+
+
+def standin_program(launcher):
+    return os.path.join(zygote_files(launcher.zygotes[0].socket_path)["standins"], PROGRAM)
 
 
 def step(tmp_path, body: str) -> list[str]:
@@ -113,7 +118,7 @@ def test_switched_off_spawn_runs_the_real_interpreter(torch_launcher, tmp_path, 
 
 def test_proxy_hands_what_it_cannot_serve_to_python(light):
     light.run([PY, "-c", "pass"])
-    proxy = zygote_files(light.zygotes[0].socket_path)["proxy"]
+    proxy = standin_program(light)
     assert os.access(proxy, os.X_OK)
     # -O changes compilation: not served, so the proxy becomes the real interpreter.
     out = subprocess.run([proxy, "-O", "-c", "import sys; print(sys.flags.optimize, sys.executable)"],
@@ -123,7 +128,7 @@ def test_proxy_hands_what_it_cannot_serve_to_python(light):
 
 def test_proxy_without_a_zygote_is_plain_python(tmp_path, light):
     light.run([PY, "-c", "pass"])
-    proxy = zygote_files(light.zygotes[0].socket_path)["proxy"]
+    proxy = standin_program(light)
     text = open(proxy).read().replace(light.zygotes[0].socket_path, str(tmp_path / "none.sock"))
     orphan = tmp_path / "proxy.python"
     orphan.write_text(text)
@@ -136,10 +141,10 @@ def test_proxy_file_goes_with_its_zygote(tmp_path):
     from preload_launcher import Launcher
     launcher = Launcher(["json"])
     launcher.run([PY, "-c", "pass"])
-    proxy = zygote_files(launcher.zygotes[0].socket_path)["proxy"]
+    proxy = standin_program(launcher)
     assert os.path.exists(proxy)
     launcher.close()
-    assert not os.path.exists(proxy)
+    assert not os.path.exists(os.path.dirname(proxy))
 
 
 def test_forkserver_server_is_forked_by_the_zygote(torch_launcher, tmp_path):

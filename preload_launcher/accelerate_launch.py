@@ -1,0 +1,165 @@
+"""Stage 4c: ``accelerate launch`` on one machine, served from the zygote.
+
+Accelerate's own code decides everything it decides for a real launch: its parser, its
+validation (config file, defaults, the warning about values it chose), the environment it gives
+the program. Only the processes are forked instead of started:
+
+* one process (accelerate's ``simple_launcher``): the program is forked as a child of this
+  process with accelerate's environment; a failure ends this process as accelerate ends, with
+  ``CalledProcessError`` (exit 1);
+* several (``multi_gpu_launcher``): accelerate hands the launch to torchrun's ``run()``; here
+  that call is served by the agent (forked sibling ranks, torchrun's environment contract).
+
+Everything else (DeepSpeed, FSDP, Megatron-LM, TPU, SageMaker, MPI, several machines,
+``--no_python``) runs the real ``accelerate``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Optional
+
+from . import agent, child, cuda, protocol, runtime, threads
+from .command import PythonTarget, StepSpec, parse_python_argv
+from .settings import Settings
+
+__all__ = ["run_accelerate", "unsupported_reason"]
+
+NOT_MODELLED = (("use_deepspeed", "DeepSpeed"), ("use_fsdp", "FSDP"),
+                ("use_megatron_lm", "Megatron-LM"), ("tpu", "TPU"), ("tpu_use_cluster", "TPU pods"),
+                ("no_python", "--no_python"), ("mpirun_hostfile", "MPI"))
+
+
+def unsupported_reason(args, defaults) -> str:
+    """Why the real ``accelerate`` must run this launch ('' when it is served here)."""
+    from accelerate.utils import ComputeEnvironment
+    for attr, what in NOT_MODELLED:
+        if getattr(args, attr, None):
+            return f"accelerate launch with {what}"
+    if (args.num_machines or 1) > 1:
+        return f"accelerate launch on {args.num_machines} machines"
+    if defaults is not None and defaults.compute_environment != ComputeEnvironment.LOCAL_MACHINE:
+        return f"accelerate launch in {defaults.compute_environment}"
+    if cuda.fork_refusal(cuda.probe_for(Settings.from_env())):
+        return "accelerate's checks initialised CUDA; the program cannot be forked from it"
+    return ""
+
+
+def _parse(spec: StepSpec):
+    """accelerate's parser and validation; returns (args, defaults) or raises SystemExit."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    parser = launch_command_parser()
+    if os.path.basename(spec.args[0]) == "accelerate":  # a subcommand of accelerate's CLI
+        parser.prog = "accelerate <command> [<args>] launch"
+    sys.argv = [spec.args[0], *spec.accelerate_args]
+    args = parser.parse_args(spec.accelerate_args)
+    # Validation asks torch how many GPUs there are: NVML answers, the driver stays untouched.
+    with cuda.cuda_safe_imports():
+        args, defaults, _ = _validate_launch_command(args)
+    return args, defaults
+
+
+def run_accelerate(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int) -> int:
+    """Serve one ``accelerate launch``; returns the exit code for ``runtime.exit_with``."""
+    try:
+        args, defaults = _parse(spec)
+    except ImportError as exc:
+        protocol.send_event(conn_fd, "fallback", reason=f"accelerate: {exc}", retire=False)
+        return 0
+    except SystemExit as exc:  # argparse printed accelerate's usage error
+        protocol.send_event(conn_fd, "exec", t=time.time())
+        return exc.code if isinstance(exc.code, int) else 1
+    except Exception:  # accelerate's own validation errors, reported as accelerate reports them
+        protocol.send_event(conn_fd, "exec", t=time.time())
+        traceback.print_exc()
+        return 1
+    reason = unsupported_reason(args, defaults)
+    if reason:
+        protocol.send_event(conn_fd, "fallback", reason=reason, retire=False)
+        return 0
+    if args.multi_gpu and not args.cpu:
+        return _several_processes(spec, state, conn_fd, args)
+    return _one_process(spec, state, conn_fd, args)
+
+
+def _one_process(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args) -> int:
+    """accelerate's ``simple_launcher``, with the program forked instead of started."""
+    from accelerate.utils import prepare_simple_launcher_cmd_env
+    try:
+        cmd, env = prepare_simple_launcher_cmd_env(args)
+    except Exception:
+        protocol.send_event(conn_fd, "exec", t=time.time())
+        traceback.print_exc()
+        return 1
+    target = parse_python_argv(cmd)
+    if not isinstance(target, PythonTarget):
+        protocol.send_event(conn_fd, "fallback", reason=target.reason, retire=False)
+        return 0
+    protocol.send_event(conn_fd, "exec", t=time.time())
+    runtime.keep_for_exit_report(conn_fd)
+    pid = runtime.fork(lambda: _program(target, env, spec.thread_counts, state), new_group=False)
+    code = _wait(pid)
+    if code != 0:
+        if args.quiet:
+            code = 1
+        else:
+            error = subprocess.CalledProcessError(returncode=code, cmd=cmd)
+            traceback.print_exception(type(error), error, None)
+            code = 1
+    return runtime.finish(code)
+
+
+def _program(target: PythonTarget, env: dict, thread_counts: dict,
+             state: runtime.ZygoteState) -> int:
+    """The forked program: accelerate's environment, then the python step."""
+    runtime.die_with_parent()
+    os.environ.clear()
+    os.environ.update(env)
+    threads.apply_fresh_counts(thread_counts)
+    return child.run_python_step(target, state, None)
+
+
+def _wait(pid: int) -> int:
+    """The program's exit code. Ctrl-C (the step's group gets it, the program too) ends the
+    wait as it ends accelerate's ``process.wait()``: a traceback, then death by SIGINT."""
+    try:
+        _, status = os.waitpid(pid, 0)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return -signal.SIGINT
+    return os.waitstatus_to_exitcode(status)
+
+
+def _several_processes(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args) -> int:
+    """accelerate's ``multi_gpu_launcher`` runs as is; its call to torchrun's ``run()`` is
+    served by the agent, in the environment accelerate set for it."""
+    from accelerate.commands.launch import multi_gpu_launcher
+    from torch.distributed import run as torchrun
+    explicit_port = args.main_process_port is not None
+    served: dict[str, Optional[int]] = {"code": None}
+
+    def serve(torchrun_args) -> None:
+        # torchrun's failure is an exception in accelerate: its process exits 1.
+        served["code"] = agent.serve_launch(spec, state, conn_fd, torchrun_args, explicit_port,
+                                            failure_code=1)
+
+    real_run, torchrun.run = torchrun.run, serve
+    try:
+        multi_gpu_launcher(args)
+    except Exception:
+        if served["code"] is None:  # accelerate failed before the launch, as it would
+            protocol.send_event(conn_fd, "exec", t=time.time())
+        traceback.print_exc()
+        return 1
+    finally:
+        torchrun.run = real_run
+    code = served["code"]
+    if code is None:
+        protocol.send_event(conn_fd, "fallback", reason="accelerate did not launch", retire=False)
+        return 0
+    return code

@@ -1,0 +1,200 @@
+"""Stage 5b: stand-ins for the interpreters a step starts, served by the zygote.
+
+Two kinds of step start interpreters of their own, each paying the full import again:
+
+* a step's ``multiprocessing`` starts ``spawn``/``forkserver`` children and a resource tracker
+  (megatron's distributed-checkpoint writer starts one per save). Inside a step,
+  ``multiprocessing`` runs the stand-in instead of ``python`` (``set_executable``);
+* a step that is not served directly (a shell script, ``env … python``, ``make``) runs as a
+  subprocess with a directory of stand-ins first on its ``PATH``: ``python``, ``python3``,
+  ``python3.X``, ``torchrun`` and ``accelerate``, links to the same file, for the names that
+  start this interpreter there.
+
+A stand-in asks the zygote to fork the same command with its own fds, cwd and environment
+(the stand-in directory taken off ``PATH``, so the program reads what it would without it),
+then stands in for it: signals it receives are forwarded and it exits with the child's status,
+so the caller's ``wait``/``kill`` work unchanged. Anything the zygote cannot serve, or a zygote
+that is gone, becomes the real program (``execve``), fds intact.
+
+``install`` writes this source behind a ``#!python -IS`` line, the socket path (``SOCKET``) and
+the source of ``protocol`` (``PROTOCOL_SOURCE``, the one wire): the standard library only, so
+a stand-in starts in milliseconds.
+"""
+
+import os
+import signal
+import socket
+import sys
+import types
+
+if __name__ != "__main__":  # imported by the launcher; the written executable embeds protocol
+    from . import protocol
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)
+PROGRAM = "standin"  # the file multiprocessing runs; the named links beside it are for PATH
+
+
+def nested_names() -> tuple:
+    """The programs a step's PATH can have stood in for, in a fixed order."""
+    return ("python", "python3", "python%d.%d" % sys.version_info[:2], "torchrun", "accelerate")
+
+
+# ---------------------------------------------------------------- the launcher's side
+
+def install(directory: str, socket_path: str) -> str:
+    """Write the stand-in for the zygote at ``socket_path`` into ``directory``; returns its
+    path, or "" where it could not run (a ``noexec`` directory, a shebang line too long)."""
+    shebang = f"#!{sys.executable} -IS\n"
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if len(shebang) > 127 or os.statvfs(directory).f_flag & os.ST_NOEXEC:
+        return ""
+    with open(__file__, encoding="utf-8") as f:
+        source = f.read()
+    with open(protocol.__file__, encoding="utf-8") as f:
+        protocol_source = f.read()
+    path = os.path.join(directory, PROGRAM)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(f"{shebang}SOCKET = {socket_path!r}\nPROTOCOL_SOURCE = {protocol_source!r}\n"
+                + source)
+    os.replace(tmp, path)  # a step never runs a half-written stand-in
+    return path
+
+
+def path_entry(directory: str, names: list) -> str:
+    """A directory holding stand-ins for exactly ``names`` (links to the installed program),
+    made once per set of names: a step's ``command -v`` finds only what its PATH has."""
+    mask = sum(1 << i for i, name in enumerate(nested_names()) if name in names)
+    entry = os.path.join(directory, format(mask, "x"))
+    if not os.path.isdir(entry):
+        tmp = f"{entry}.{os.getpid()}.{id(names)}.tmp"
+        os.makedirs(tmp, mode=0o700)
+        for name in names:
+            os.symlink(os.path.join("..", PROGRAM), os.path.join(tmp, name))
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another thread or process made it first
+            for name in names:
+                os.unlink(os.path.join(tmp, name))
+            os.rmdir(tmp)
+    return entry
+
+
+# ---------------------------------------------------------------- the stand-in's side
+
+def inherited_fds() -> list:
+    """The fds the starting process passed, besides stdio (nothing else is open yet)."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.fstat(fd)
+            except OSError:
+                continue  # the directory listing's own fd, closed by now
+            fds.append(fd)
+    return sorted(fds)
+
+
+class Invocation:
+    """What this stand-in was started as: the command to ask for, and the real program."""
+
+    def __init__(self, argv: list, environ: dict) -> None:
+        here = os.path.dirname(os.path.abspath(argv[0]))
+        self.name = os.path.basename(argv[0])
+        self.env = dict(environ)
+        self.spawned = self.name not in nested_names()
+        if self.spawned:  # multiprocessing's interpreter: this one, as multiprocessing named it
+            self.real, self.args = sys.executable, [sys.executable, *argv[1:]]
+            return
+        # Named on PATH: the program the name finds once the stand-ins are off PATH, called as
+        # the caller typed it (python's messages quote argv[0]).
+        entries = environ.get("PATH", os.defpath).split(os.pathsep)
+        self.env["PATH"] = os.pathsep.join(e for e in entries if os.path.abspath(e or ".") != here)
+        self.real = which(self.name, self.env["PATH"])
+        self.args = [self.name, *argv[1:]]
+
+    def request(self, fds: list) -> dict:
+        return {"args": self.args, "env": self.env, "cwd": os.getcwd(), "spawned": self.spawned,
+                "nested": not self.spawned, "fd_targets": [0, 1, 2, *fds]}
+
+    def become_real(self) -> None:
+        """Run the real program, as if this stand-in had never been there."""
+        if not self.real:
+            os.write(2, f"{self.name}: command not found\n".encode())
+            exit_like(127)
+        os.execve(self.real, self.args, self.env)
+
+
+def which(name: str, path: str) -> str:
+    for entry in path.split(os.pathsep):
+        candidate = os.path.join(entry or ".", name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return ""
+
+
+def exit_like(code: int) -> None:
+    """Exit with the child's status: a code, or death by the same signal."""
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def forward_signals(sock: socket.socket) -> None:
+    def forward(signum, _frame):
+        protocol.send_op(sock, "signal", signum=signum)
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+
+
+def embedded_module(name: str, source: str) -> types.ModuleType:
+    """A module made from source text carried in this file (no package to import it from)."""
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(compile(source, name, "exec"), module.__dict__)
+    return module
+
+
+def main(socket_path: str) -> None:
+    invocation = Invocation(sys.argv, dict(os.environ))
+    fds = inherited_fds()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(socket_path)
+        protocol.send_request(sock, {"op": "step", "spec": invocation.request(fds)}, [0, 1, 2, *fds])
+    except OSError:
+        sock.close()
+        invocation.become_real()  # the zygote is gone: the plain way
+    running = False
+    reader = protocol.EventReader()
+    while True:
+        try:
+            data = sock.recv(65536)
+        except InterruptedError:
+            continue
+        if not data:
+            if not running:
+                invocation.become_real()
+            exit_like(-signal.SIGKILL)  # the zygote died, and the child with it
+        for event in reader.feed(data):
+            kind = event.get("event")
+            if kind == "exec" and not running:
+                running = True
+                for fd in fds:  # the child holds them now
+                    os.close(fd)
+                forward_signals(sock)
+            elif kind in ("fallback", "error", "refused") and not running:
+                sock.close()
+                invocation.become_real()  # the program itself reports what went wrong, if anything
+            elif kind == "exit":
+                exit_like(int(event["returncode"]))
+
+
+if __name__ == "__main__":  # the written executable: SOCKET and PROTOCOL_SOURCE precede this
+    protocol = embedded_module("preload_launcher_protocol", PROTOCOL_SOURCE)  # noqa: F821
+    main(SOCKET)  # noqa: F821

@@ -1,0 +1,223 @@
+"""Steps the zygote cannot serve directly (shell scripts, ``env``, ``accelerate launch``): the
+interpreters they start are forked from the zygote, and behave as the real programs do."""
+import json
+import os
+import re
+import signal
+import subprocess
+import textwrap
+
+import pytest
+
+from conftest import PY, pid_alive, plain, program, wait_gone
+
+pytestmark = pytest.mark.needs_torch
+
+BIN = os.path.dirname(PY)
+ACCELERATE = os.path.join(BIN, "accelerate")
+VARYING = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+
+# Each program notes (in $MARKS) whether torch was already imported at its first line, then
+# prints what a program can see of how it was started.
+PROGRAM = textwrap.dedent("""\
+    import os, sys
+    with open(os.environ["MARKS"], "a") as f:
+        f.write("%s %s\\n" % (os.path.basename(sys.argv[0]) or "-m", "torch" in sys.modules))
+    print("argv", sys.argv, "executable", sys.executable, flush=True)
+    print("PATH", os.environ["PATH"], flush=True)
+    sys.exit(int(os.environ.get("CODE", "0")))
+    """)
+RANK = textwrap.dedent("""\
+    import os, sys
+    with open(os.environ["MARKS"], "a") as f:
+        f.write("rank%s %s\\n" % (os.environ["RANK"], "torch" in sys.modules))
+    if os.environ["RANK"] == "0":
+        print("rank 0 of", os.environ["WORLD_SIZE"], sys.argv[1:], flush=True)
+    """)
+SCRIPT = textwrap.dedent("""\
+    set -u
+    python a.py one
+    python3 -m pkg.mod two
+    torchrun --nproc_per_node=2 b.py three
+    CODE=3 python a.py four || echo "a.py failed with $?"
+    python -c 'import os; os.kill(os.getpid(), 9)' || echo "killed: $?"
+    CODE=5 exec python a.py five
+    """)
+
+
+@pytest.fixture
+def project(tmp_path):
+    (tmp_path / "a.py").write_text(PROGRAM)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mod.py").write_text(PROGRAM)
+    (tmp_path / "b.py").write_text(RANK)
+    (tmp_path / "s.sh").write_text(SCRIPT)
+    return tmp_path
+
+
+def step_env(marks, **extra):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return dict(env, PATH=BIN + os.pathsep + env.get("PATH", ""), MARKS=str(marks), **extra)
+
+
+def comparable_output(output):
+    """Pids differ: in torchrun's OMP_NUM_THREADS warning (dropped) and bash's "Killed"."""
+    return [re.sub(r"(line \d+:)\s+\d+ Killed", r"\1 PID Killed", line)
+            for line in output.splitlines() if "torch/distributed/run.py" not in line]
+
+
+def test_a_shell_steps_interpreters_are_forked_from_the_zygote(torch_launcher, project):
+    ref = plain(["bash", "s.sh"], cwd=project, env=step_env(project / "ref"), timeout=120)
+    got = torch_launcher.run(["bash", "s.sh"], cwd=project, env=step_env(project / "got"),
+                             timeout=120)
+    assert got.via == "subprocess" and "forked by the zygote" in got.reason
+    assert ref.returncode == got.returncode == 5, got.stdout
+    # Output, nested exit codes (handled and signalled), argv, sys.executable and PATH as
+    # the programs see them: as without stand-ins.
+    assert comparable_output(got.stdout) == comparable_output(ref.stdout)
+    assert "a.py failed with 3" in got.stdout and "killed: 137" in got.stdout
+    ours = sorted((project / "got").read_text().splitlines())
+    theirs = sorted((project / "ref").read_text().splitlines())
+    assert [line.split()[0] for line in ours] == [line.split()[0] for line in theirs] == \
+        ["a.py", "a.py", "a.py", "mod.py", "rank0", "rank1"]
+    assert all(line.endswith("True") for line in ours), ours  # torch was preloaded
+    assert all(line.endswith("False") for line in theirs), theirs
+
+
+def test_a_timeout_on_the_script_leaves_no_process(torch_launcher, project):
+    (project / "sleep.sh").write_text(
+        'python -c "import os, time; print(os.getpid(), flush=True); time.sleep(60)" &\n'
+        'echo standin $!\nwait\n')
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        torch_launcher.run(["bash", "sleep.sh"], cwd=project, env=step_env(project / "m"),
+                           timeout=8)
+    words = caught.value.output.split()
+    standin, forked = int(words[words.index("standin") + 1]), int(words[-1] if
+                                                                 words[-1] != "standin" else 0)
+    assert forked and forked != standin  # the program ran in a forked child, not the stand-in
+    assert wait_gone(standin) and wait_gone(forked)
+
+
+def test_interrupting_the_stand_in_reaches_the_program(torch_launcher, project):
+    (project / "trap.py").write_text(textwrap.dedent("""\
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), sys.exit(7)))
+        print("ready", flush=True)
+        time.sleep(60)
+        """))
+    (project / "kill.sh").write_text(
+        "python trap.py > out.txt &\npid=$!\n"
+        "for i in $(seq 100); do grep -q ready out.txt 2>/dev/null && break; sleep 0.1; done\n"
+        "kill -TERM $pid; wait $pid; echo \"exit $?\"; cat out.txt\n")
+    got = torch_launcher.run(["bash", "kill.sh"], cwd=project, env=step_env(project / "m"),
+                             timeout=60)
+    assert got.stdout.split("\n")[:3] == ["exit 7", "ready", "got SIGTERM"], got.stdout
+
+
+def test_nested_off_runs_the_real_programs(torch_launcher, project):
+    env = step_env(project / "m", PRELOAD_LAUNCHER_NESTED="0")
+    got = torch_launcher.run(["bash", "-c", "python a.py"], cwd=project, env=env, timeout=120)
+    assert got.returncode == 0 and "forked" not in got.reason
+    assert (project / "m").read_text() == "a.py False\n"
+
+
+def test_a_python_of_another_interpreter_gets_no_stand_in(torch_launcher, project):
+    other = project / "other"
+    other.mkdir()
+    (other / "python").write_text("#!/bin/sh\necho other python \"$@\"\n")
+    (other / "python").chmod(0o755)
+    env = step_env(project / "m")
+    env["PATH"] = f"{other}{os.pathsep}{env['PATH']}"
+    got = torch_launcher.run(["bash", "-c", "command -v python; python a.py; python3 a.py"],
+                             cwd=project, env=env, timeout=120)
+    lines = got.stdout.splitlines()
+    assert lines[0] == str(other / "python") and lines[1] == "other python a.py"
+    assert (project / "m").read_text() == "a.py True\n"  # python3 is still this interpreter
+
+
+def test_env_in_front_of_python_is_served_too(torch_launcher, project):
+    got = torch_launcher.run(["env", "CODE=4", "python", "a.py", "x"], cwd=project,
+                             env=step_env(project / "m"), timeout=120)
+    ref = plain(["env", "CODE=4", "python", "a.py", "x"], cwd=project,
+                env=step_env(project / "r"), timeout=120)
+    assert got.returncode == ref.returncode == 4
+    assert got.stdout == ref.stdout
+    assert (project / "m").read_text() == "a.py True\n"
+
+
+# ---------------------------------------------------------------- accelerate launch
+
+def rank_infos(output):
+    decoder = json.JSONDecoder()
+    infos = [decoder.raw_decode(part)[0] for part in output.split("RANKINFO ")[1:]]
+    return {info["rank"]: info for info in infos}
+
+
+def accelerate_env(tmp_path):
+    # An empty HF_HOME: no accelerate config file decides for either side.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return dict(env, HF_HOME=str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("launch", [
+    [ACCELERATE, "launch", "--num_processes", "1"],
+    [ACCELERATE, "launch", "--cpu", "--mixed_precision", "no", "--num_cpu_threads_per_process", "1"],
+    [PY, "-m", "accelerate.commands.launch", "--num_processes=1"],
+    [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2"],
+    [PY, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
+     "--main_process_port", "0"],
+])
+def test_accelerate_launch_matches_the_real_one(torch_launcher, tmp_path, launch):
+    args = launch + [program("accelerate_env.py"), "--x", "1"]
+    env = accelerate_env(tmp_path)
+    ref = plain(args, env=env, timeout=180)
+    got = torch_launcher.run(args, env=env, timeout=180)
+    assert got.via == "zygote", got.reason
+    assert ref.returncode == got.returncode == 0, got.stdout
+    ours, theirs = rank_infos(got.stdout), rank_infos(ref.stdout)
+    assert sorted(ours) == sorted(theirs) and ours, (got.stdout, ref.stdout)
+    for rank in ours:
+        assert {k: v for k, v in ours[rank]["env"].items() if k not in VARYING} == \
+            {k: v for k, v in theirs[rank]["env"].items() if k not in VARYING}
+        assert set(ours[rank]["env"]) == set(theirs[rank]["env"])
+        assert ours[rank]["argv"] == theirs[rank]["argv"] == ["--x", "1"]
+        assert ours[rank]["threads"] == theirs[rank]["threads"]
+
+
+@pytest.mark.parametrize("processes", [["--num_processes", "1"],
+                                       ["--multi_gpu", "--num_processes", "2"]])
+def test_a_failing_program_fails_accelerate_launch_alike(torch_launcher, tmp_path, processes):
+    args = [ACCELERATE, "launch", *processes, program("accelerate_env.py")]
+    env = dict(accelerate_env(tmp_path), EXIT_CODE_RANK_0="3")
+    ref = plain(args, env=env, timeout=180)
+    got = torch_launcher.run(args, env=env, timeout=180)
+    assert got.via == "zygote"
+    assert ref.returncode == got.returncode == 1
+    error = "CalledProcessError" if processes[1] == "1" else "ChildFailedError"
+    assert error in ref.stdout and error in got.stdout, got.stdout
+
+
+def test_accelerate_usage_errors_are_accelerates(torch_launcher, tmp_path):
+    args = [ACCELERATE, "launch", "--num_processes", "many", program("accelerate_env.py")]
+    ref = plain(args, env=accelerate_env(tmp_path), timeout=120)
+    got = torch_launcher.run(args, env=accelerate_env(tmp_path), timeout=120)
+    assert ref.returncode == got.returncode == 2
+    assert got.stdout.splitlines()[-1] == ref.stdout.splitlines()[-1]
+
+
+def test_launches_accelerate_does_not_model_here_run_the_real_accelerate(torch_launcher, tmp_path):
+    got = torch_launcher.run([ACCELERATE, "launch", "--use_deepspeed", "--num_processes", "1",
+                              program("accelerate_env.py")], env=accelerate_env(tmp_path),
+                             timeout=120)
+    assert got.via == "subprocess" and "DeepSpeed" in got.reason
+
+
+def test_accelerate_launch_in_a_script_is_forked(torch_launcher, tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text(f"accelerate launch --num_processes 1 {program('accelerate_env.py')}\n")
+    env = dict(accelerate_env(tmp_path), PATH=BIN + os.pathsep + os.environ["PATH"])
+    before = torch_launcher.standin_steps()
+    got = torch_launcher.run(["bash", str(script)], env=env, timeout=180)
+    assert got.returncode == 0 and "RANKINFO" in got.stdout, got.stdout
+    assert torch_launcher.standin_steps() == before + 1
