@@ -25,6 +25,7 @@ from typing import Mapping, Optional, Sequence, Union
 from . import cuda, protocol, settings, standin
 from .command import StepSpec, Unsupported, parse_command, resolves_to_this_interpreter
 from .files import remove_all, unlink_all, zygote_files
+from .gpus import pool_ids as gpu_pool_ids
 from .result import LauncherError, StepResult
 from .settings import Settings, ZygoteConfig
 
@@ -56,7 +57,8 @@ class ZygoteProcess:
     def __init__(self, modules: Sequence[str], env: Mapping[str, str],
                  cache_dir: Optional[str] = None, socket_path: Optional[str] = None,
                  daemon: bool = False, project: Optional[str] = None,
-                 profile: Optional[str] = None, idle_timeout_s: Optional[float] = None) -> None:
+                 profile: Optional[str] = None, idle_timeout_s: Optional[float] = None,
+                 gpus: Optional[str] = None) -> None:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
         # Per-test variables are the step's business, never the preload's; so are thread
@@ -80,11 +82,13 @@ class ZygoteProcess:
         self.profile = os.path.abspath(profile) if profile else ""
         self.idle_timeout_s = idle_timeout_s if idle_timeout_s is not None \
             else self.settings.idle_timeout_s
+        self.gpus = self.settings.gpus if gpus is None else gpus  # packing: "", auto, or ids
         self.process: Optional[subprocess.Popen] = None
         self.status: dict = {}
         self._alive_w = -1
         self._ready_r = -1
         self._ready = threading.Event()
+        self._ready_lock = threading.Lock()
         self._start_error: Optional[BaseException] = None
 
     # -------------------------------------------------------------- lifecycle
@@ -153,11 +157,24 @@ class ZygoteProcess:
                             learn=s.learn, learn_budget_s=s.learn_budget_s, prewarm=prewarm,
                             prewarm_ranks=s.prewarm_ranks if s.prewarm_ranks is not None else gpus,
                             profile=self.profile,
-                            idle_timeout_s=self.idle_timeout_s if self.daemon else 0.0)
+                            idle_timeout_s=self.idle_timeout_s if self.daemon else 0.0,
+                            gpus=self.gpu_pool(), gpus_visible=self.env.get("CUDA_VISIBLE_DEVICES"))
+
+    def gpu_pool(self) -> list[str]:
+        if not self.gpus:
+            return []
+        visible = self.env.get("CUDA_VISIBLE_DEVICES")
+        count = cuda.nvml_device_count(self.env) if self.gpus == "auto" and visible is None else 0
+        return gpu_pool_ids(self.gpus, visible, count)
 
     def wait_ready(self, progress=None) -> dict:
         """Block until the preload finished; returns the zygote's status. ``progress``: a
-        stream (a terminal) to show the preload on, module by module, from the zygote's log."""
+        stream (a terminal) to show the preload on, module by module, from the zygote's log.
+        Threads may wait together: one reads the zygote's answer, the others then have it."""
+        with self._ready_lock:
+            return self._wait_ready(progress)
+
+    def _wait_ready(self, progress) -> dict:
         if self._ready.is_set():
             if self._start_error:
                 raise self._start_error
@@ -188,11 +205,14 @@ class ZygoteProcess:
 
     def poll_ready(self) -> bool:
         """True once the preload has finished well; never waits for it."""
-        if not self._ready.is_set() and select.select([self._ready_r], [], [], 0)[0]:
+        if self._ready_lock.acquire(blocking=False):
             try:
-                self.wait_ready()
+                if not self._ready.is_set() and select.select([self._ready_r], [], [], 0)[0]:
+                    self._wait_ready(None)
             except LauncherError:
                 pass
+            finally:
+                self._ready_lock.release()
         return self._ready.is_set() and self._start_error is None
 
     def start(self, progress=None) -> "ZygoteProcess":
@@ -207,7 +227,7 @@ class ZygoteProcess:
         z.modules, z.env, z.socket_path, z.daemon, z.process = [], {}, socket_path, True, None
         z.settings = Settings()
         z.log_path, z.cache_dir, z._alive_w, z._ready_r = "", "", -1, -1
-        z._ready, z._start_error = threading.Event(), None
+        z._ready, z._start_error, z._ready_lock = threading.Event(), None, threading.Lock()
         z.status = z.request("status")
         z.modules = list(z.status["modules"])
         z.log_path = zygote_files(socket_path)["log"]
@@ -421,16 +441,20 @@ class Launcher:
     """Zygotes by preload set and import-relevant environment, reused across steps."""
 
     def __init__(self, modules: Optional[Sequence[str]] = None, max_zygotes: int = 3,
-                 project: Optional[str] = None, profile: Optional[str] = None) -> None:
+                 project: Optional[str] = None, profile: Optional[str] = None,
+                 gpus: Optional[str] = None, shared_socket: Optional[str] = None) -> None:
         self.modules = tuple(modules) if modules is not None else None
         self.project = project  # where learned-preload profiles are keyed (default: cwd)
         self.profile = profile  # a portable profile to start zygotes from (else the env's)
+        self.gpus = gpus  # GPU packing for the zygotes this launcher starts (else the env's)
+        # A zygote another process owns (the xdist controller's, a daemon): used first.
+        self.shared_socket = shared_socket
         self.max_zygotes = max_zygotes
         self.zygotes: list[ZygoteProcess] = []
         # Measured, never estimated: steps each way and the seconds they took, the seconds
         # callers waited for a zygote's preload, and how many zygotes were started.
         self.stats = {"zygote": 0, "subprocess": 0, "with_standins": 0, "reasons": {},
-                      "zygotes_started": 0,
+                      "zygotes_started": 0, "gpu_waits": 0, "gpu_wait_s": 0.0,
                       "seconds": {"zygote": 0.0, "subprocess": 0.0}, "waited_s": 0.0}
         self._lock = threading.Lock()
 
@@ -441,6 +465,7 @@ class Launcher:
         """A ready zygote whose preload fits ``env``; starts one when none does."""
         modules = list(self.preload_set())
         with self._lock:
+            self._attach_shared()
             for z in list(self.zygotes):
                 if not z.alive() and z._ready.is_set():
                     self.zygotes.remove(z)
@@ -457,6 +482,15 @@ class Launcher:
         z.wait_ready()
         return z
 
+    def _attach_shared(self) -> None:
+        """Use the shared zygote once, if it still answers (its owner may have ended)."""
+        if self.shared_socket:
+            path, self.shared_socket = self.shared_socket, None
+            try:
+                self.zygotes.insert(0, ZygoteProcess.attach(path))
+            except (OSError, ValueError):
+                pass
+
     def prestart(self, env: Optional[Mapping[str, str]] = None) -> ZygoteProcess:
         """Launch a zygote in the background (its preload overlaps the caller's work)."""
         env = dict(os.environ if env is None else env)
@@ -464,7 +498,8 @@ class Launcher:
             return self._launch(list(self.preload_set()), env)
 
     def _launch(self, modules: list[str], env: Mapping[str, str]) -> ZygoteProcess:
-        z = ZygoteProcess(modules, env, project=self.project, profile=self.profile).launch()
+        z = ZygoteProcess(modules, env, project=self.project, profile=self.profile,
+                          gpus=self.gpus).launch()
         self.zygotes.append(z)
         self.stats["zygotes_started"] += 1
         return z
@@ -575,6 +610,9 @@ class Launcher:
             self.stats["seconds"][result.via] += result.seconds
             if result.reason:
                 self.stats["reasons"][result.reason] = self.stats["reasons"].get(result.reason, 0) + 1
+            if result.gpus is not None:
+                self.stats["gpu_waits"] += 1
+                self.stats["gpu_wait_s"] += result.gpu_wait_s
         return result
 
     def _run_in_zygote(self, zygote: ZygoteProcess, spec: StepSpec, timeout: Optional[float],
@@ -617,25 +655,34 @@ class Launcher:
             raise
         finally:
             waiter.close()
-        events = waiter.events
-        if "fallback" in events:
-            return events["fallback"]
-        if "error" in events:
-            err = events["error"]
-            exc_type = getattr(builtins, err["type"], None)
-            if not (isinstance(exc_type, type) and issubclass(exc_type, OSError)):
-                raise LauncherError(err.get("strerror") or "step setup failed")
-            raise exc_type(err["errno"], err["strerror"], err["filename"])
-        if "exit" not in events:
-            raise LauncherError(f"zygote {zygote.status.get('pid')} died while running "
-                                f"{spec.args!r}; output so far:\n{_decode(waiter.output)}")
-        reason = "output held open by a daemonised grandchild" if "held_output" in events else ""
-        result = StepResult(spec.args, events["exit"]["returncode"], _decode(waiter.output),
-                            None, via="zygote", reason=reason)
-        result.seconds = time.monotonic() - start
-        # Request -> first line of user code: the launcher's own overhead.
-        result.exec_delay_s = events["exec"]["t"] - requested_at if "exec" in events else None
-        return result
+        return _result_of(zygote, spec, waiter, time.monotonic() - start, requested_at)
+
+
+def _result_of(zygote: ZygoteProcess, spec: StepSpec, waiter: "_StepWait", seconds: float,
+               requested_at: float) -> Union[StepResult, dict]:
+    """A finished step's result from its events (or the ``fallback`` event, or the error)."""
+    events = waiter.events
+    if "fallback" in events:
+        return events["fallback"]
+    if "error" in events:
+        err = events["error"]
+        exc_type = getattr(builtins, err["type"], None)
+        if not (isinstance(exc_type, type) and issubclass(exc_type, OSError)):
+            raise LauncherError(err.get("strerror") or "step setup failed")
+        raise exc_type(err["errno"], err["strerror"], err["filename"])
+    if "exit" not in events:
+        raise LauncherError(f"zygote {zygote.status.get('pid')} died while running "
+                            f"{spec.args!r}; output so far:\n{_decode(waiter.output)}")
+    reason = "output held open by a daemonised grandchild" if "held_output" in events else ""
+    result = StepResult(spec.args, events["exit"]["returncode"], _decode(waiter.output),
+                        None, via="zygote", reason=reason)
+    result.seconds = seconds
+    if "granted" in events:  # GPU packing: the GPUs it ran on, and how long it waited
+        result.gpus = list(events["granted"]["gpus"])
+        result.gpu_wait_s = float(events["granted"]["waited_s"])
+    # Request -> first line of user code: the launcher's own overhead.
+    result.exec_delay_s = events["exec"]["t"] - requested_at if "exec" in events else None
+    return result
 
 
 def _fd_is_open(fd: int) -> bool:

@@ -46,7 +46,7 @@ OPS = {"step": ("spec",), "status": (), "stop": (), "signal": ("signum",)}
 EVENTS = {"started": ("pid",), "exec": ("t",),
           "error": ("type", "errno", "strerror", "filename"),
           "fallback": ("reason",), "exit": ("returncode",), "status": ("pid",),
-          "stopping": ("pid",), "refused": ("reason",)}
+          "stopping": ("pid",), "refused": ("reason",), "granted": ("gpus", "waited_s")}
 
 
 class ProtocolError(ValueError):

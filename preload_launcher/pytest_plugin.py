@@ -1,4 +1,5 @@
-"""pytest plugin: one zygote per session (per xdist worker), started while tests are collected.
+"""pytest plugin: one zygote per session, started while tests are collected; under xdist the
+controller starts it (or finds a running daemon for the preload set) and every worker uses it.
 
 Enabled by default once installed; per CI lane: ``PRELOAD_LAUNCHER=0|1`` (wins), then
 ``--preload-launcher/--no-preload-launcher``. Preload set: ``PRELOAD_LAUNCHER_MODULES`` (wins),
@@ -13,15 +14,18 @@ from typing import Optional
 
 import pytest
 
-from . import client, settings
+from . import client, daemon, settings
 from .cli import format_deferred, format_learned
 
 PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"
 MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
+GPUS_DESC = ("pack steps onto free GPUs: auto, or GPU ids like 0,1,2,3 (PRELOAD_LAUNCHER_GPUS "
+             "wins; off by default)")
 PROFILE_DESC = ("a portable profile (preload-launcher profile --write) the zygote starts from, "
                 "relative to the rootdir (PRELOAD_LAUNCHER_PROFILE wins)")
 
 launcher_key = pytest.StashKey[Optional[client.Launcher]]()
+shared_key = pytest.StashKey[str]()  # the socket of the zygote this session's workers share
 started_key = pytest.StashKey[float]()
 
 
@@ -33,6 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run every step as a plain subprocess")
     parser.addini("preload_launcher_modules", MODULES_DESC, default=None)
     parser.addini("preload_launcher_profile", PROFILE_DESC, default=None)
+    parser.addini("preload_launcher_gpus", GPUS_DESC, default=None)
 
 
 def resolve_enabled(config: pytest.Config) -> bool:
@@ -52,12 +57,38 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     modules = settings.preload_modules(ini=config.getini("preload_launcher_modules"))
     profile = settings.Settings.from_env().profile or config.getini("preload_launcher_profile")
-    launcher = client.Launcher(modules, profile=str(config.rootpath / profile) if profile else None)
+    gpus = settings.Settings.from_env().gpus or settings.parse_gpus(
+        config.getini("preload_launcher_gpus") or "", "preload_launcher_gpus ini option")
+    worker = getattr(config, "workerinput", None)
+    shared = (worker or {}).get("preload_launcher_socket") or _matching_daemon(modules)
+    launcher = client.Launcher(modules, profile=str(config.rootpath / profile) if profile else None,
+                               gpus=gpus, shared_socket=shared)
     client.set_session_launcher(launcher)  # run() in this process uses the session's zygote
     config.stash[launcher_key] = launcher
     config.stash[started_key] = time.monotonic()
-    if getattr(config, "workerinput", None) is not None or not config.option.collectonly:
-        launcher.prestart()  # preload overlaps collection
+    if shared:
+        config.stash[shared_key] = shared
+    elif worker is not None or not config.option.collectonly:
+        # Its preload overlaps collection; under xdist, the workers' steps all go to it.
+        config.stash[shared_key] = launcher.prestart().socket_path
+
+
+def _matching_daemon(modules) -> str:
+    """The socket of a running ``serve`` daemon for this preload set and environment, or ""."""
+    try:
+        zygote, _ = daemon.find_daemon(modules)
+    except OSError:
+        return ""
+    return zygote.socket_path if zygote is not None and zygote.matches(os.environ) else ""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """xdist's controller: each worker uses the controller's zygote, which outlives them all
+    (the controller ends it once the last worker is done)."""
+    shared = node.config.stash.get(shared_key, "")
+    if shared:
+        node.workerinput["preload_launcher_socket"] = shared
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -82,6 +113,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         return
     stats = launcher.stats
     if not stats["zygote"] and not stats["subprocess"]:
+        _shared_summary(terminalreporter, launcher)
         return
     tr = terminalreporter
     tr.write_sep("-", "preload_launcher")
@@ -96,6 +128,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
                       f"the PATH of {stats['with_standins']} steps)")
     tr.write_line(f"zygotes started: {stats['zygotes_started']}; steps waited "
                   f"{stats['waited_s']:.1f} s in all for a zygote's preload")
+    if stats["gpu_waits"]:
+        tr.write_line(f"GPU packing: {stats['gpu_waits']} steps were granted GPUs; they waited "
+                      f"{stats['gpu_wait_s']:.1f} s in all for free ones")
     for z in launcher.zygotes:
         report = z.status.get("preload", {})
         if not report:
@@ -110,3 +145,24 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         failed = [e["module"] for e in report.get("entries", []) if not e["ok"]]
         if failed:
             tr.write_line(f"  not importable: {', '.join(failed)}")
+
+
+def _shared_summary(tr, launcher: client.Launcher) -> None:
+    """Under xdist the steps ran in the workers; the controller reports its shared zygote."""
+    for z in launcher.zygotes:
+        if not z.poll_ready():
+            continue
+        try:
+            status = z.request("status")
+        except OSError:
+            continue
+        if not status.get("served"):
+            continue
+        tr.write_sep("-", "preload_launcher")
+        tr.write_line(f"shared zygote {status['pid']}: served {status['served']} steps for the "
+                      f"workers, preloaded {', '.join(status['preload'].get('loaded', []))}")
+        packing = status.get("gpus")
+        if packing and packing.get("granted_steps"):
+            tr.write_line(f"GPU packing over {','.join(packing['pool'])}: "
+                          f"{packing['granted_steps']} steps granted GPUs; they waited "
+                          f"{packing['waited_s']:.1f} s in all for free ones")

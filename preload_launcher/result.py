@@ -7,6 +7,7 @@ instances and failures raise the stdlib ``CalledProcessError`` / ``TimeoutExpire
 from __future__ import annotations
 
 import subprocess
+from typing import Optional
 
 __all__ = ["StepResult", "LauncherError"]
 
@@ -16,7 +17,8 @@ class StepResult(subprocess.CompletedProcess):
 
     ``via`` is ``"zygote"`` (forked from a preloaded zygote) or ``"subprocess"`` (a plain
     process); ``reason`` says why a step did not go through the zygote; ``seconds`` is how long
-    the step took, from its request (or start) to its result.
+    the step took, from its request (or start) to its result (a wait for GPUs included:
+    ``gpus`` and ``gpu_wait_s`` under GPU packing).
     """
 
     def __init__(self, args, returncode, stdout=None, stderr=None, *, via="subprocess",
@@ -25,6 +27,8 @@ class StepResult(subprocess.CompletedProcess):
         self.via = via
         self.reason = reason
         self.seconds = 0.0
+        self.gpus: Optional[list[str]] = None  # with GPU packing: the GPUs the step was granted
+        self.gpu_wait_s = 0.0  # how long it waited for them
 
     def __repr__(self) -> str:
         return (f"StepResult(args={self.args!r}, returncode={self.returncode!r}, "

@@ -71,6 +71,17 @@ def _number(kind, value: str, where: str, minimum: float = 0):
     return number
 
 
+def parse_gpus(value: str, where: str) -> str:
+    """GPU packing's setting: "" or 0 (off), "auto", or GPU ids ("0,1,2,3")."""
+    value = value.strip()
+    if value in ("", "0", "off"):
+        return ""
+    parts = value.split(",")
+    if value != "auto" and not all(p.strip() for p in parts):
+        raise ValueError(f"Invalid GPU list {value!r} from {where} (auto, or ids like 0,1,2)")
+    return value
+
+
 def _choice(value: str, choices: tuple[str, ...], where: str) -> str:
     if value not in choices:
         raise ValueError(f"Invalid value {value!r} from {where} (one of: {', '.join(choices)})")
@@ -115,6 +126,7 @@ class Settings:
     idle_timeout_s: float = 1800.0  # PRELOAD_LAUNCHER_IDLE_TIMEOUT_S: a daemon's (0: never stop)
     spawn: bool = True  # PRELOAD_LAUNCHER_SPAWN: serve a step's spawned interpreters
     nested: bool = True  # PRELOAD_LAUNCHER_NESTED: serve interpreters a non-python step starts
+    gpus: str = ""  # PRELOAD_LAUNCHER_GPUS: pack steps onto free GPUs ("auto" or "0,1,…"; "" off)
     learn: bool = True  # PRELOAD_LAUNCHER_LEARN
     learn_budget_s: float = 60.0  # PRELOAD_LAUNCHER_LEARN_BUDGET_S
     max_ranks: int = 1024  # PRELOAD_LAUNCHER_MAX_RANKS
@@ -141,6 +153,8 @@ class Settings:
             idle_timeout_s=r.number("PRELOAD_LAUNCHER_IDLE_TIMEOUT_S", float, 1800.0),
             spawn=r.flag("PRELOAD_LAUNCHER_SPAWN", True),
             nested=r.flag("PRELOAD_LAUNCHER_NESTED", True),
+            gpus=parse_gpus(r.raw("PRELOAD_LAUNCHER_GPUS") or "",
+                            "PRELOAD_LAUNCHER_GPUS environment variable"),
             learn=r.flag("PRELOAD_LAUNCHER_LEARN", True),
             learn_budget_s=r.number("PRELOAD_LAUNCHER_LEARN_BUDGET_S", float, 60.0),
             max_ranks=r.number("PRELOAD_LAUNCHER_MAX_RANKS", int, 1024, minimum=1),
@@ -211,6 +225,8 @@ class ZygoteConfig:
     prewarm_ranks: int = 0
     profile: str = ""  # a portable profile's path ("" = none)
     idle_timeout_s: float = 0.0  # a daemon stops after this long without a request (0: never)
+    gpus: list = field(default_factory=list)  # GPU packing's pool ([] = off)
+    gpus_visible: Optional[str] = None  # the starter's CUDA_VISIBLE_DEVICES
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

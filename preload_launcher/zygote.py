@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Optional
 
-from . import cuda, procfs, protocol, runtime, standin, step, threads
+from . import cuda, gpus, procfs, protocol, runtime, standin, step, threads
 from .command import Unsupported, parse_command
 from .files import read_json, remove_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
@@ -69,6 +69,7 @@ class Zygote:
         self.restart_reason = ""
         self.spawn_executable = ""
         self.standin_steps = 0  # interpreters stand-ins asked for and this zygote forked
+        self.gpus = gpus.GpuPool(config.gpus, config.gpus_visible) if config.gpus else None
         self.preloader: Optional[Preloader] = None
         self.fresh_counts: Optional[threads.FreshCounts] = None
         self.announced = False  # the starter has our status; the ready fd is closed
@@ -156,6 +157,7 @@ class Zygote:
             "warm_agent_pid": self.warm.pid("torchrun") if self.warm else None,
             "warm_served": self.warm.served if self.warm else 0,
             "standin_steps": self.standin_steps,
+            "gpus": self.gpus.describe() if self.gpus else None,
             "stale": self.watch.changes() if self.watch else [],
         }
 
@@ -196,6 +198,8 @@ class Zygote:
                     self.request_stop("its starter went away")
                 elif isinstance(key.data, str):
                     self.settle_hint(key.data, key.fileobj)
+                elif isinstance(key.data, gpus.Waiting):
+                    self.on_waiting_conn(key.data)
                 else:
                     self.on_step_conn(key.data)
         for running in list(self.steps.values()):
@@ -298,6 +302,7 @@ class Zygote:
             _send_error(conn, f"unknown request {op!r}")
 
     def fork_step(self, conn: socket.socket, spec: dict, fds: list[int]) -> None:
+        arrived = time.monotonic()
         if spec.get("nested"):
             spec = self.classify_standin(spec)
             if isinstance(spec, str):  # the stand-in runs the real program
@@ -319,6 +324,17 @@ class Zygote:
             self.restart_if_idle()
             return
         spec["thread_counts"] = self.thread_counts(spec)
+        need = self.gpus.need_of(spec) if self.gpus else 0
+        if need:  # packed: it starts once enough GPUs are free
+            waiting = gpus.Waiting(conn, spec, fds, need, since=arrived)
+            self.gpus.wait(waiting)
+            conn.setblocking(False)
+            self.selector.register(conn, selectors.EVENT_READ, waiting)
+            self.start_granted()
+            return
+        self.start_step(conn, spec, fds)
+
+    def start_step(self, conn: socket.socket, spec: dict, fds: list[int]) -> int:
         pid = self.warm.hand_over(spec, fds, conn) if self.warm else None
         if pid is None:
             conn.settimeout(None)
@@ -331,6 +347,34 @@ class Zygote:
         conn.setblocking(False)
         self.selector.register(conn, selectors.EVENT_READ, self.steps[pid])
         self.fill_warm_pool()
+        return pid
+
+    def start_granted(self) -> None:
+        """Start the waiting steps that free GPUs now fit, each on its own."""
+        for waiting, granted in self.gpus.grants():
+            self.selector.unregister(waiting.conn)
+            waiting.conn.setblocking(True)
+            waiting.spec["env"]["CUDA_VISIBLE_DEVICES"] = ",".join(granted)
+            protocol.send_event(waiting.conn, "granted", gpus=granted,
+                                waited_s=round(time.monotonic() - waiting.since, 3))
+            self.gpus.hold(self.start_step(waiting.conn, waiting.spec, waiting.fds), granted)
+
+    def on_waiting_conn(self, waiting: gpus.Waiting) -> None:
+        """The caller of a step still waiting for GPUs went away, or signalled it (a timeout,
+        Ctrl-C): it never starts; a signal is answered as the step's death by it."""
+        try:
+            messages = waiting.reader.feed(waiting.conn.recv(4096) or b"")
+        except (OSError, protocol.ProtocolError):
+            messages = []
+        signals = [m["signum"] for m in messages if m.get("op") == "signal"]
+        self.gpus.forget(waiting)
+        self.selector.unregister(waiting.conn)
+        runtime.close_fds(waiting.fds)
+        if signals:
+            waiting.conn.setblocking(True)
+            protocol.send_event(waiting.conn, "exit", returncode=-int(signals[0]))
+        waiting.conn.close()
+        self.start_granted()  # the head of the queue may have been holding others back
 
     def classify_standin(self, spec: dict):
         """A stand-in's command classified as the client classifies a step: the spec to fork,
@@ -420,6 +464,8 @@ class Zygote:
             if self.warm:
                 self.warm.reaped(info.si_pid)
             self.report_exit(info.si_pid, os.waitstatus_to_exitcode(status))
+            if self.gpus and self.gpus.release(info.si_pid):
+                self.start_granted()
         self.learn_due = bool(self.learn_reports_dir)
         self.restart_if_idle()
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Transformer Engine 2.20.2 on the H200 machine (Python 3.12, torch 2.11+cu130, CUDA 13), which
+# cannot download: its 276 MB core wheel travels in parts (a device call carries 64 MiB at most)
+# and its torch extension, published as an sdist only, is built there.
+#
+#   here:      bash scripts/gpu/transformer_engine.sh fetch     # wheels, sdist, parts in .te/ (git-ignored)
+#   there:     bash scripts/gpu/transformer_engine.sh receive   # after each call carrying .te/parts/<one part>
+#   there:     bash scripts/gpu/transformer_engine.sh install   # join, check, install, build the extension
+# Then `export PYTHONPATH=/tmp/te-site:$PYTHONPATH` makes `import transformer_engine.pytorch` work.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+TE=2.20.2
+CORE=transformer_engine_cu13-$TE-py3-none-manylinux_2_28_x86_64.whl
+STORE=/tmp/te-parts   # survives between calls while the machine is held
+SITE=/tmp/te-site
+case "${1:-}" in
+fetch)
+  mkdir -p .te/parts .te/build
+  py=(--python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64)
+  pip download -q --no-deps "${py[@]}" -d .te "transformer_engine_cu13==$TE" "transformer_engine==$TE"
+  pip download -q --no-deps "${py[@]}" -d .te/build setuptools wheel ninja einops packaging
+  # pip cannot download the extension's sdist without building its metadata (needs CUDA torch).
+  url=$(curl -s https://pypi.org/simple/transformer-engine-torch/ \
+        | grep -o "https://[^\"#]*transformer_engine_torch-$TE.tar.gz" | head -n 1)
+  curl -sLo ".te/build/transformer_engine_torch-$TE.tar.gz" "$url"
+  cp ".te/transformer_engine-$TE-py3-none-any.whl" .te/build/
+  (cd .te && sha256sum "$CORE" > build/core.sha256 && rm -f parts/* && split -b 58000000 -d "$CORE" parts/core.)
+  ls -l .te/parts .te/build ;;
+receive)
+  mkdir -p "$STORE"
+  for part in .te/parts/core.* .te/build/*; do [ -e "$part" ] && cp -f "$part" "$STORE/"; done
+  ls -l "$STORE" ;;
+install)
+  cat "$STORE"/core.[0-9]* > "/tmp/$CORE"
+  (cd /tmp && sha256sum -c "$STORE/core.sha256")
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    "/tmp/$CORE" "$STORE/transformer_engine-$TE-py3-none-any.whl" "$STORE"/einops-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/te-build \
+    "$STORE"/setuptools-*.whl "$STORE"/wheel-*.whl "$STORE"/ninja-*.whl "$STORE"/packaging-*.whl
+  rm -rf /tmp/te-src && mkdir /tmp/te-src && tar xzf "$STORE/transformer_engine_torch-$TE.tar.gz" -C /tmp/te-src
+  cd "/tmp/te-src/transformer_engine_torch-$TE"
+  start=$(date +%s)
+  PATH=/tmp/te-build/bin:$PATH PYTHONPATH=/tmp/te-build:$SITE:${PYTHONPATH:-} \
+    NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=${NVTE_BUILD_USE_NVIDIA_WHEELS:-1} \
+    MAX_JOBS=$(nproc) python3 setup.py build_ext --inplace > /tmp/te-build.log 2>&1 \
+    || { tail -n 40 /tmp/te-build.log; exit 1; }
+  cp transformer_engine_torch*.so "$SITE/"
+  echo "built transformer_engine_torch in $(( $(date +%s) - start )) s"
+  PYTHONPATH=$SITE:${PYTHONPATH:-} python3 -c "import transformer_engine.pytorch as te; print('transformer_engine', te.__version__ if hasattr(te, '__version__') else '', 'imports')" ;;
+*)
+  echo "usage: $0 fetch|receive|install" >&2; exit 2 ;;
+esac
