@@ -16,6 +16,7 @@ Everything else (DeepSpeed, FSDP, Megatron-LM, TPU, SageMaker, MPI, several mach
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -55,6 +56,9 @@ def _parse(spec: StepSpec):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     parser = launch_command_parser()
     if os.path.basename(spec.args[0]) == "accelerate":  # a subcommand of accelerate's CLI
+        # The real program imports every subcommand first; what those imports do to the
+        # environment (transformers -> sklearn sets KMP_* variables) reaches the program.
+        importlib.import_module("accelerate.commands.accelerate_cli")
         parser.prog = "accelerate <command> [<args>] launch"
     sys.argv = [spec.args[0], *spec.accelerate_args]
     args = parser.parse_args(spec.accelerate_args)

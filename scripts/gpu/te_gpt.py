@@ -27,7 +27,7 @@ from preload_launcher.cli import format_doctor  # noqa: E402
 
 MODULES = ["torch", "transformer_engine.pytorch", "megatron.core", "modelopt.torch"]
 TORCHRUN = shutil.which("torchrun") or "torchrun"
-STEP = [TORCHRUN, "--nproc_per_node=1", os.path.join(ROOT, "scripts", "steps", "gpt_step.py")]
+GPT_STEP = os.path.join(ROOT, "scripts", "steps", "gpt_step.py")
 
 
 def timed(fn):
@@ -44,7 +44,10 @@ def last_line(text: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (tensor parallel size)")
     args = parser.parse_args()
+    global STEP
+    STEP = [TORCHRUN, f"--nproc_per_node={args.nproc}", GPT_STEP]
     scratch = tempfile.mkdtemp(prefix="te-gpt-")
     env = dict(os.environ, GPT_SPEC="te", PRELOAD_LAUNCHER_CACHE_DIR=os.path.join(scratch, "cache"))
     os.environ.update(env)
@@ -70,7 +73,7 @@ def main() -> None:
                                                     stderr=subprocess.STDOUT).stdout)
         plain.append(seconds)
         print(f"torchrun {rep + 1}: {seconds:.2f} s | {last_line(out)}", flush=True)
-    print(f"RESULT TE-spec GPT step, 1 GPU: torchrun median {statistics.median(plain):.2f} s; "
+    print(f"RESULT TE-spec GPT step, {args.nproc} GPU(s): torchrun median {statistics.median(plain):.2f} s; "
           f"launcher warm median {statistics.median(warm):.2f} s "
           f"({statistics.median(plain) / statistics.median(warm):.1f}x)", flush=True)
 

@@ -72,7 +72,9 @@ class Peaks:
 
 def session(project: str, env: dict, workers: int) -> tuple[float, Peaks, str]:
     start = time.perf_counter()
+    # -p: the plugin by name, also where the package is on PYTHONPATH rather than installed.
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-p", "preload_launcher.pytest_plugin",
                              "-n", str(workers), project], env=env, cwd=project,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -111,6 +113,8 @@ def main() -> None:
               f"GPU memory peak {peaks.gpu_mib / 1024:.1f} GiB | {' '.join(tail)}", flush=True)
         for line in summary:
             print("   ", line.strip(), flush=True)
+        if not tail:
+            print(out[-3000:], flush=True)
 
 
 def gpu_count() -> int:
