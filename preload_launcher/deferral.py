@@ -53,6 +53,7 @@ class Blocker(importlib.abc.MetaPathFinder):
 
     def __init__(self, packages) -> None:
         self.packages = set(packages)
+        self.entries: frozenset = frozenset()  # the preload entries' packages (kept if possible)
         self.frames: Optional[list] = None  # the culprit hook's live frame stack, when one runs
         self.stacks: list[tuple[str, list[tuple]]] = []  # (blocked package, frames)
 

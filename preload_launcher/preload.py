@@ -205,19 +205,25 @@ def import_entry(module: str, probe: DriverProbe, blocker: Optional[Blocker] = N
         report.culprit = hook.culprit or module
         # import_module() bypasses __import__, so the entry itself heads the chain here.
         report.chain = _dedupe([module] + hook.chain)
-        report.deferrable = deferrable_package(report.chain, loaded_before)
+        report.deferrable = deferrable_package(report.chain, loaded_before,
+                                               blocker.entries if blocker else frozenset())
     return report
 
 
-def deferrable_package(chain: list[str], loaded_before: set[str]) -> str:
+def deferrable_package(chain: list[str], loaded_before: set[str],
+                       entries: frozenset = frozenset()) -> str:
     """The package to defer for a culprit reached through ``chain``: the first one on the way
-    from another distribution than the entry's that was not loaded before ('' when none)."""
+    from another distribution than the entry's that was not loaded before ('' when none) —
+    passing over packages that are preload entries themselves while a deeper one can be
+    deferred (megatron.bridge reaches torch_geometric through modelopt, which stays)."""
     entry_package = top_level(chain[0])
+    candidates = []
     for module in chain[1:]:
         package = top_level(module)
-        if package != entry_package and package not in loaded_before:
-            return package
-    return ""
+        if package != entry_package and package not in loaded_before and package not in candidates:
+            candidates.append(package)
+    preferred = [package for package in candidates if package not in entries]
+    return (preferred or candidates or [""])[0]
 
 
 def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
@@ -429,6 +435,7 @@ class Preloader:
         self.skip = dict(settings.quarantine)
         self.skip.update(self.known_verdicts())
         self.blocker = Blocker(k[len(DEFER):] for k in self.skip if k.startswith(DEFER))
+        self.blocker.entries = frozenset(top_level(m) for m in config.modules)
         sys.meta_path.insert(0, self.blocker)  # for the zygote's whole life
         self.env_set_by_preload: dict[str, str] = {}
         self.learn_reports_dir = ""

@@ -40,6 +40,14 @@ FILES = {
     """,
     # An importer without a guard: it cannot do without the culprit.
     "needsgeo/__init__.py": "import fakegeo\nVALUE = 7\n",
+    # megatron.bridge's shape: it reaches fakeopt (itself a preload entry) under a guard.
+    "fakebridge/__init__.py": """
+        try:
+            import fakeopt
+            HAVE_OPT = True
+        except ModuleNotFoundError:
+            HAVE_OPT = False
+    """,
 }
 
 OBSERVE = ("import sys, fakeopt, fakeopt.plugins as p; from fakeopt.registry import REGISTRY; "
@@ -122,6 +130,22 @@ def test_lazy_replay_costs_nothing_to_a_step_that_never_imports_the_package(site
         # plugin registers are absent.
         assert result.stdout == "['Linear'] False False False\n"
         assert log.read_text().count("fakegeo imported") == before
+    finally:
+        launcher.close()
+
+
+def test_a_preload_entry_on_the_way_is_not_deferred_when_a_deeper_package_can_be(site):
+    # fakebridge -> fakeopt -> fakegeo: fakeopt, itself an entry, stays; fakegeo is deferred.
+    env, _ = site
+    launcher = launcher_for(["fakebridge", "fakeopt"], env)
+    try:
+        report = status(launcher)["preload"]
+        assert report["loaded"] == ["fakebridge", "fakeopt"] and not report["quarantined"]
+        assert list(report["deferred"]) == ["fakegeo"]
+        code = "import fakebridge, fakegeo; print(fakebridge.HAVE_OPT); " + OBSERVE
+        ours, fresh = launcher.run([PY, "-c", code], env=env), plain([PY, "-c", code], env=env)
+        assert ours.via == "zygote"
+        assert ours.stdout == fresh.stdout == "True\n['GeoLinear', 'Linear'] True True True\n"
     finally:
         launcher.close()
 
