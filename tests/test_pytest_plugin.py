@@ -65,27 +65,41 @@ def test_env_wins_over_the_option(pytester):
     result.stdout.fnmatch_lines(["*VIA zygote*"])
 
 
+def run_call(how: str, code: str) -> str:
+    """Source of a ``preload_launcher.run(...)`` call running ``python -c code``: directly, or
+    from a shell step (the interpreter's directory first on its PATH, so a stand-in serves it)."""
+    if how == "direct":
+        return f"preload_launcher.run([sys.executable, '-c', {code!r}])"
+    return (f"preload_launcher.run(['bash', '-c', 'python -c \"$CODE\"'], env=dict(os.environ, "
+            f"CODE={code!r}, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ['PATH']))")
+
+
+@pytest.mark.parametrize("how", ["direct", "shell"])
 @pytest.mark.parametrize("method", ["signal", "thread"])
-def test_pytest_timeout_leaves_no_step_behind(pytester, tmp_path, method):
+def test_pytest_timeout_leaves_no_step_behind(pytester, tmp_path, method, how):
     pidfile = tmp_path / "step.pid"
+    # The program notes its pid and whether the zygote's preload (json) was there already.
+    call = run_call(how, f"import os, sys, time; open({str(pidfile)!r}, 'w').write("
+                         "'%d %s' % (os.getpid(), 'json' in sys.modules)); time.sleep(120)")
     pytester.makepyfile(test_hang=f"""
-        import sys
+        import os, sys
         import preload_launcher
 
         def test_hangs():
-            preload_launcher.run([sys.executable, "-c",
-                "import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"])
+            {call}
     """)
     start = time.monotonic()
     result = runpytest(pytester, "--timeout=5", f"--timeout-method={method}")
     assert time.monotonic() - start < 90
     assert result.ret != 0
     assert "Timeout" in result.stdout.str() + result.stderr.str()
-    step_pid = int(pidfile.read_text())
-    assert wait_gone(step_pid), f"step {step_pid} outlived pytest-timeout ({method})"
+    step_pid, preloaded = pidfile.read_text().split()
+    assert preloaded == "True"  # forked from the zygote, directly or through a stand-in
+    assert wait_gone(int(step_pid)), f"step {step_pid} outlived pytest-timeout ({method})"
 
 
-def test_coverage_of_a_forked_step_is_measured(pytester, tmp_path):
+@pytest.mark.parametrize("how", ["direct", "shell"])
+def test_coverage_of_a_forked_step_is_measured(pytester, tmp_path, how):
     scripts = pytester.mkdir("scripts")
     (scripts / "covered.py").write_text(textwrap.dedent("""
         def branch(x):
@@ -102,6 +116,14 @@ def test_coverage_of_a_forked_step_is_measured(pytester, tmp_path):
         def test_runs_script():
             r = preload_launcher.run([sys.executable, "scripts/covered.py"])
             assert (r.via, r.stdout) == ("zygote", "yes\\n"), r
+    """ if how == "direct" else """
+        import sys, os
+        import preload_launcher
+
+        def test_runs_script():  # python started by a shell step, through its stand-in
+            r = preload_launcher.run(["bash", "-c", "python scripts/covered.py"], env=dict(
+                os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]))
+            assert (r.via, r.stdout) == ("subprocess", "yes\\n") and "forked" in r.reason, r
     """)
     result = runpytest(pytester, "--cov=scripts", "--cov-report=term-missing")
     result.assert_outcomes(passed=1)
