@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Optional
 
-from . import agent, child, cuda, protocol, runtime, threads
+from . import agent, child, cuda, learn, protocol, runtime, threads
 from .command import PythonTarget, StepSpec, parse_python_argv
 from .settings import Settings
 
@@ -69,7 +69,17 @@ def _parse(spec: StepSpec):
 
 
 def run_accelerate(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int) -> int:
-    """Serve one ``accelerate launch``; returns the exit code for ``runtime.exit_with``."""
+    """Serve one ``accelerate launch``; returns the exit code for ``runtime.exit_with``. What
+    accelerate imported here is reported for learning, as a python step's imports are (after
+    the exit report: off the caller's path)."""
+    before = set(sys.modules)
+    try:
+        return _serve(spec, state, conn_fd)
+    finally:
+        learn.report_step_imports(before, state.learn_reports_dir, state.project)
+
+
+def _serve(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int) -> int:
     try:
         args, defaults = _parse(spec)
     except ImportError as exc:

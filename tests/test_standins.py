@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import textwrap
+import time
 
 import pytest
 
@@ -221,3 +222,21 @@ def test_accelerate_launch_in_a_script_is_forked(torch_launcher, tmp_path):
     got = torch_launcher.run(["bash", str(script)], env=env, timeout=180)
     assert got.returncode == 0 and "RANKINFO" in got.stdout, got.stdout
     assert torch_launcher.standin_steps() == before + 1
+
+
+def test_what_accelerate_imports_is_learned(tmp_path):
+    from preload_launcher import Launcher
+    launcher = Launcher(["torch"], project=str(tmp_path))
+    env = dict(accelerate_env(tmp_path), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    try:
+        got = launcher.run([ACCELERATE, "launch", "--num_processes", "1",
+                            program("accelerate_env.py")], env=env, timeout=180)
+        assert got.via == "zygote" and got.returncode == 0, got.stdout
+        zygote, deadline = launcher.zygotes[0], time.monotonic() + 60
+        while not zygote.request("status")["preload"]["learned"].get("in_session"):
+            assert time.monotonic() < deadline, "nothing was learned while idle"
+            time.sleep(0.2)
+        profile = json.load(open(zygote.request("status")["preload"]["learned"]["profile"]))
+        assert "accelerate.commands.launch" in profile["modules"]  # the accelerate process's
+    finally:
+        launcher.close()
