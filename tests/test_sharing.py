@@ -81,8 +81,9 @@ def test_a_step_that_hides_the_gpus_is_not_packed(packed):
 def test_a_two_gpu_step_waits_for_two_free(packed, tmp_path):
     launcher = packed("0,1", modules=("torch",))
     ranks = tmp_path / "ranks.py"
-    ranks.write_text("import json, os, time\nprint('RANK', json.dumps([os.environ['RANK'], "
-                     "os.environ['CUDA_VISIBLE_DEVICES'], time.time()]), flush=True)\n")
+    # One write per record: ranks run with -u and share one pipe.
+    ranks.write_text("import json, os, time\nos.write(1, ('RANK %s\\n' % json.dumps([os.environ["
+                     "'RANK'], os.environ['CUDA_VISIBLE_DEVICES'], time.time()])).encode())\n")
     one = threading.Thread(target=lambda: results.append(hold(launcher, 2.0)))
     results = []
     one.start()
@@ -91,9 +92,8 @@ def test_a_two_gpu_step_waits_for_two_free(packed, tmp_path):
                         str(ranks)], timeout=120)
     one.join()
     assert two.returncode == 0, two.stdout
-    # Ranks run with -u and share one pipe: a record's text and newline may be apart.
-    decoder = json.JSONDecoder()
-    seen = [decoder.raw_decode(part.lstrip())[0] for part in two.stdout.split("RANK ")[1:]]
+    seen = [json.loads(line.split("RANK ", 1)[1]) for line in two.stdout.splitlines()
+            if line.startswith("RANK ")]
     assert sorted(r[0] for r in seen) == ["0", "1"]
     assert {r[1] for r in seen} == {"0,1"} and two.gpus == ["0", "1"]
     assert min(r[2] for r in seen) >= results[0]["end"]  # not before both were free
