@@ -123,9 +123,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     for reason, count in sorted(stats["reasons"].items()):
         tr.write_line(f"  subprocess because {reason}: {count}")
     if stats["with_standins"]:
+        steps = stats["with_standins"]
         tr.write_line(f"  interpreters those subprocesses started, forked by the zygote: "
                       f"{launcher.standin_steps()} (python/torchrun/accelerate stand-ins on "
-                      f"the PATH of {stats['with_standins']} steps)")
+                      f"the PATH of {steps} step{'' if steps == 1 else 's'})")
     tr.write_line(f"zygotes started: {stats['zygotes_started']}; steps waited "
                   f"{stats['waited_s']:.1f} s in all for a zygote's preload")
     if stats["gpu_waits"]:

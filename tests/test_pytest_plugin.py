@@ -164,3 +164,20 @@ def test_drop_in_helper_keeps_retries_env_and_errors(tmp_path):
     with pytest.raises(subprocess.CalledProcessError) as info:
         run_example_command([PY, "-c", "raise SystemExit('fatal')"], str(tmp_path))
     assert info.value.output == "fatal\n"
+
+
+def test_the_summary_counts_interpreters_a_shell_step_started(pytester):
+    pytester.makepyfile(test_shell="""
+        import os, sys
+        import preload_launcher
+
+        def test_shell_step():
+            env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+            r = preload_launcher.run(["bash", "-c", "python -c 'print(1)'; python -c 'print(2)'"], env=env)
+            assert (r.via, r.stdout) == ("subprocess", "1\\n2\\n"), r
+    """)
+    result = runpytest(pytester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*steps via zygote: 0 (* s in them), via subprocess: 1 (* s)*",
+                                 "*interpreters those subprocesses started, forked by the zygote: 2 "
+                                 "(python/torchrun/accelerate stand-ins on the PATH of 1 step)*"])
