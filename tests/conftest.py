@@ -25,7 +25,8 @@ pytest_plugins = ["pytester"]
 TORCH_FIXTURES = {"torch_launcher", "warm_torch_launcher"}
 
 
-def pytest_unconfigure(config):
+@pytest.hookimpl(trylast=True)  # after the plugin has ended the session's zygote (it may still
+def pytest_unconfigure(config):  # be preloading, and would write its cache here afterwards)
     shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
