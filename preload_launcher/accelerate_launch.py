@@ -117,7 +117,9 @@ def _one_process(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args)
     protocol.send_event(conn_fd, "exec", t=time.time())
     runtime.keep_for_exit_report(conn_fd)
     pid = runtime.fork(lambda: _program(target, env, spec.thread_counts, state), new_group=False)
-    code = _wait(pid)
+    code, interrupted = _wait(pid)
+    if interrupted:  # Ctrl-C ended accelerate's wait: it dies of it too
+        return runtime.finish(-signal.SIGINT)
     if code != 0:
         if args.quiet:
             code = 1
@@ -138,15 +140,16 @@ def _program(target: PythonTarget, env: dict, thread_counts: dict,
     return child.run_python_step(target, state, None)
 
 
-def _wait(pid: int) -> int:
-    """The program's exit code. Ctrl-C (the step's group gets it, the program too) ends the
-    wait as it ends accelerate's ``process.wait()``: a traceback, then death by SIGINT."""
+def _wait(pid: int) -> tuple[int, bool]:
+    """(the program's exit code, whether Ctrl-C ended the wait). Ctrl-C reaches the step's
+    group, the program too, and ends the wait as it ends accelerate's ``process.wait()``:
+    with a traceback."""
     try:
         _, status = os.waitpid(pid, 0)
     except KeyboardInterrupt:
         traceback.print_exc()
-        return -signal.SIGINT
-    return os.waitstatus_to_exitcode(status)
+        return 1, True
+    return os.waitstatus_to_exitcode(status), False
 
 
 def _several_processes(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args) -> int:

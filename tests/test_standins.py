@@ -240,3 +240,42 @@ def test_what_accelerate_imports_is_learned(tmp_path):
         assert "accelerate.commands.launch" in profile["modules"]  # the accelerate process's
     finally:
         launcher.close()
+
+
+def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, tmp_path):
+    from preload_launcher import protocol
+    from preload_launcher.command import parse_command
+    prog = tmp_path / "wait.py"
+    prog.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    args, env = [ACCELERATE, "launch", "--num_processes", "1", str(prog)], accelerate_env(tmp_path)
+
+    def until_ready(read) -> str:
+        out = ""
+        while "ready" not in out:
+            out += read()
+        return out
+
+    real = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    until_ready(lambda: real.stdout.readline())
+    os.killpg(real.pid, signal.SIGINT)
+    real_out = real.stdout.read()
+    real.wait(timeout=60)
+
+    zygote = torch_launcher.zygote_for(env)
+    out_r, out_w = os.pipe()
+    sock = zygote.submit(parse_command(args, env, str(tmp_path)), out_w, 0)
+    os.close(out_w)
+    until_ready(lambda: os.read(out_r, 4096).decode())
+    protocol.send_op(sock, "signal", signum=signal.SIGINT)
+    reader, events = protocol.EventReader(), {}
+    while "exit" not in events:
+        events.update({e["event"]: e for e in reader.feed(sock.recv(4096))})
+    ours_out = b""
+    while chunk := os.read(out_r, 4096):
+        ours_out += chunk
+    sock.close()
+    os.close(out_r)
+    assert events["exit"]["returncode"] == real.returncode == -signal.SIGINT, (real_out, ours_out)
+    assert "KeyboardInterrupt" in real_out and b"KeyboardInterrupt" in ours_out
+    assert "CalledProcessError" not in real_out and b"CalledProcessError" not in ours_out
