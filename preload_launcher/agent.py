@@ -22,8 +22,8 @@ from . import child, cuda, protocol, runtime
 from .command import PythonTarget, StepSpec, parse_python_argv
 from .settings import Settings
 
-__all__ = ["run_agent", "serve_launch", "rank_envs", "unsupported_reason", "fork_waiting_ranks", "release_ranks",
-           "RankHandle"]
+__all__ = ["run_agent", "serve_launch", "rank_envs", "unsupported_reason", "fork_waiting_ranks",
+           "release_ranks", "RankHandle"]
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "", socket.gethostname()}
 

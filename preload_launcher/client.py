@@ -126,8 +126,7 @@ class ZygoteProcess:
         """Written here, not by the zygote, so a step may run before the preload is done: its
         stand-ins wait in the listener's queue."""
         try:
-            self.standins = standin.install(zygote_files(self.socket_path)["standins"],
-                                            self.socket_path)
+            self.standins = standin.install(self.socket_path)
         except OSError:
             self.standins = ""
 
@@ -231,8 +230,7 @@ class ZygoteProcess:
         z.status = z.request("status")
         z.modules = list(z.status["modules"])
         z.log_path = zygote_files(socket_path)["log"]
-        program = os.path.join(zygote_files(socket_path)["standins"], standin.PROGRAM)
-        z.standins = program if os.access(program, os.X_OK) else ""
+        z.standins = standin.installed(socket_path)
         z._ready.set()
         return z
 
@@ -242,7 +240,7 @@ class ZygoteProcess:
         return dict(self.status.get("preload", {}).get("import_env", {}))
 
     def env_mismatch(self, env: Mapping[str, str]) -> list[str]:
-        return sorted(k for k, v in self.import_env.items() if env.get(k) != v)
+        return settings.import_env_mismatch(self.import_env, env)
 
     def matches(self, env: Mapping[str, str]) -> bool:
         return not self.env_mismatch(env)
@@ -519,7 +517,7 @@ class Launcher:
         args = _check_args(args)
         step_env = _check_env(os.environ if env is None else env)
         step_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
-        Settings.from_env(step_env)  # a bad launcher variable in env= is the caller's error
+        wanted = Settings.from_env(step_env)  # a bad launcher variable in env= is the caller's error
         if not Settings.from_env().enabled:
             return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
                                                "PRELOAD_LAUNCHER=0"))
@@ -527,7 +525,7 @@ class Launcher:
             else Unsupported("command given as a string")
         if isinstance(parsed, Unsupported):
             return self._run_with_standins(args, cwd, step_env, step_cwd, timeout, check, echo,
-                                           parsed.reason)
+                                           parsed.reason, wanted.nested)
         waiting = time.monotonic()
         try:
             zygote = self.zygote_for(step_env)
@@ -552,11 +550,11 @@ class Launcher:
         return result
 
     def _run_with_standins(self, args, cwd, step_env: dict[str, str], step_cwd: str,
-                           timeout, check, echo, reason: str) -> StepResult:
+                           timeout, check, echo, reason: str, nested: bool) -> StepResult:
         """A step the zygote cannot serve runs as a subprocess; the interpreters it starts
         (python, torchrun, accelerate on its PATH) are forked by the zygote (``standin``)."""
         path = None
-        if Settings.from_env(step_env).nested:
+        if nested:
             try:
                 path = self.zygote_for_standins(step_env).path_for(step_env, step_cwd)
             except (LauncherError, OSError):

@@ -56,8 +56,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[launcher_key] = None
         return
     modules = settings.preload_modules(ini=config.getini("preload_launcher_modules"))
-    profile = settings.Settings.from_env().profile or config.getini("preload_launcher_profile")
-    gpus = settings.Settings.from_env().gpus or settings.parse_gpus(
+    wanted = settings.Settings.from_env()
+    profile = wanted.profile or config.getini("preload_launcher_profile")
+    gpus = wanted.gpus or settings.parse_gpus(
         config.getini("preload_launcher_gpus") or "", "preload_launcher_gpus ini option")
     worker = getattr(config, "workerinput", None)
     shared = (worker or {}).get("preload_launcher_socket") or _matching_daemon(modules)

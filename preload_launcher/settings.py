@@ -197,6 +197,12 @@ def preload_modules(explicit: Optional[str] = None, ini: Optional[str] = None,
     return DEFAULT_MODULES
 
 
+def import_env_mismatch(import_env: Mapping[str, Optional[str]],
+                        env: Mapping[str, str]) -> list[str]:
+    """The import-relevant variables whose value in ``env`` differs from a preload's."""
+    return sorted(k for k, v in import_env.items() if env.get(k) != v)
+
+
 def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:
     """A per-user directory (mode 0700) for sockets and logs."""
     path = os.path.join(Settings.from_env(environ).runtime_base, f"preload_launcher-{os.getuid()}")

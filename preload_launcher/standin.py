@@ -29,6 +29,7 @@ import types
 
 if __name__ != "__main__":  # imported by the launcher; the written executable embeds protocol
     from . import protocol
+    from .files import zygote_files
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -42,9 +43,11 @@ def nested_names() -> tuple:
 
 # ---------------------------------------------------------------- the launcher's side
 
-def install(directory: str, socket_path: str) -> str:
-    """Write the stand-in for the zygote at ``socket_path`` into ``directory``; returns its
-    path, or "" where it could not run (a ``noexec`` directory, a shebang line too long)."""
+def install(socket_path: str) -> str:
+    """Write the stand-in for the zygote at ``socket_path`` into its stand-ins' directory;
+    returns its path, or "" where it could not run (a ``noexec`` directory, a shebang line
+    too long)."""
+    directory = zygote_files(socket_path)["standins"]
     shebang = f"#!{sys.executable} -IS\n"
     os.makedirs(directory, mode=0o700, exist_ok=True)
     if len(shebang) > 127 or os.statvfs(directory).f_flag & os.ST_NOEXEC:
@@ -61,6 +64,12 @@ def install(directory: str, socket_path: str) -> str:
                 + source)
     os.replace(tmp, path)  # a step never runs a half-written stand-in
     return path
+
+
+def installed(socket_path: str) -> str:
+    """The stand-in program installed for the zygote at ``socket_path``, or "" when none is."""
+    program = os.path.join(zygote_files(socket_path)["standins"], PROGRAM)
+    return program if os.access(program, os.X_OK) else ""
 
 
 def path_entry(directory: str, names: list) -> str:

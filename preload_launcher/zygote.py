@@ -24,7 +24,8 @@ from .files import read_json, remove_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
                       hint_holds)
 from .prewarm import WarmPool
-from .settings import QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
+from .settings import (QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig,
+                       import_env_mismatch)
 
 __all__ = ["main"]
 
@@ -125,12 +126,11 @@ class Zygote:
 
     def use_standins(self) -> None:
         """A step's multiprocessing runs the stand-in its starter installed instead of python."""
-        program = os.path.join(zygote_files(self.config.socket_path)["standins"], standin.PROGRAM)
-        if os.access(program, os.X_OK):
-            self.spawn_executable = program
+        self.spawn_executable = standin.installed(self.config.socket_path)
+        if self.spawn_executable:
             import multiprocessing.spawn  # noqa: F401  (preloaded for the children)
         else:
-            say("spawned interpreters will not be served: no stand-in at %s", program)
+            say("spawned interpreters will not be served: no stand-in was installed")
 
     def announce_ready(self) -> None:
         self.watch = StalenessWatch() if self.config.daemon else None
@@ -386,8 +386,7 @@ class Zygote:
             return str(err)
         if isinstance(parsed, Unsupported):
             return parsed.reason
-        import_env = self.report.import_env if self.report else {}
-        differs = sorted(k for k, v in import_env.items() if spec["env"].get(k) != v)
+        differs = import_env_mismatch(self.report.import_env if self.report else {}, spec["env"])
         if differs:
             return f"its environment differs from the preload's in {', '.join(differs[:3])}"
         return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"]}

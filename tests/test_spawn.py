@@ -7,12 +7,11 @@ import textwrap
 import pytest
 
 from conftest import PY, wait_gone
-from preload_launcher.files import zygote_files
-from preload_launcher.standin import PROGRAM
+from preload_launcher.standin import installed
 
 
 def standin_program(launcher):
-    return os.path.join(zygote_files(launcher.zygotes[0].socket_path)["standins"], PROGRAM)
+    return installed(launcher.zygotes[0].socket_path)
 
 
 def step(tmp_path, body: str) -> list[str]:
