@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -22,7 +21,12 @@ HOLD = ("import json, os, sys, time; t = time.time(); time.sleep(float(sys.argv[
 
 
 @pytest.fixture
-def packed():
+def packed(monkeypatch, tmp_path):
+    # A cache of its own: otherwise the modules other tests' steps taught the session's learned
+    # profile (hundreds after test_standins) are preloaded too, what they read at import
+    # (COLUMNS, LINES) becomes import-relevant, and a worker process whose environment has
+    # other values there rightly gets a zygote of its own, unpacked: order-dependent failures.
+    monkeypatch.setenv("PRELOAD_LAUNCHER_CACHE_DIR", str(tmp_path / "cache"))
     launchers = []
 
     def make(gpus, modules=("json",)):

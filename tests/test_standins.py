@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import PY, pid_alive, plain, program, wait_gone
+from conftest import PY, plain, program, wait_gone
 
 pytestmark = pytest.mark.needs_torch
 
