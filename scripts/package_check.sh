@@ -10,7 +10,8 @@ trap 'rm -rf "$work"' EXIT
 quiet() { "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 
 quiet $py -m pip install -q --disable-pip-version-check build
-$py -m build -q --no-isolation --sdist --wheel --outdir "$work/dist" . >/dev/null
+$py -m build -q --no-isolation --sdist --wheel --outdir "$work/dist" . >"$work/build.log" 2>&1 \
+  || { cat "$work/build.log"; exit 1; }
 sdist=$(ls "$work"/dist/*.tar.gz) wheel=$(ls "$work"/dist/*.whl)
 members=$(tar -tzf "$sdist")
 for member in LICENSE CHANGELOG.md CONTRIBUTING.md preload_launcher/py.typed pyproject.toml; do
