@@ -95,8 +95,9 @@ def wait_for_starting(starters: list[dict], timeout: float = 120.0) -> None:
     """Wait until these starting daemons serve (or fail), so that `stop` finds and stops them
     instead of leaving them to come up afterwards."""
     deadline = time.monotonic() + timeout
-    for starter in starters:
-        while pid_alive(starter["pid"]) and time.monotonic() < deadline:
+    for starter in starters:  # a foreground `serve` lives on: its marker goes once it serves
+        while (os.path.exists(starter["marker"]) and pid_alive(starter["pid"])
+               and time.monotonic() < deadline):
             time.sleep(0.1)
 
 
