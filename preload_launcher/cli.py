@@ -13,7 +13,7 @@ import sys
 from typing import Optional
 
 from . import __version__, settings
-from .reporting import doctor_verdict, format_deferred, format_doctor, format_learned  # noqa: F401
+from .reporting import format_doctor  # noqa: F401 (the GPU scripts import it from here)
 
 __all__ = ["main", "build_parser"]
 

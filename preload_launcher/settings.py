@@ -2,8 +2,8 @@
 
 ``Settings.from_env(environ)`` reads ``PRELOAD_LAUNCHER_*`` (and the XDG directories) with one
 boolean rule; a bad value raises ``SettingsError`` (a ``ValueError``) naming the variable it
-came from and the values it accepts. The zygote
-receives its own snapshot as a ``ZygoteConfig`` (JSON on its command line).
+came from and the values it accepts. The zygote receives its own snapshot as a
+``ZygoteConfig`` (JSON on its command line).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "SettingsError", "ZygoteConfig",
-           "parse_bool", "preload_modules", "preload_source", "runtime_dir", "QUARANTINE_ENV", "RESTARTED_ENV", "PER_TEST_ENV",
-           "THREAD_ENV"]
+           "parse_bool", "preload_modules", "preload_source", "runtime_dir", "QUARANTINE_ENV",
+           "RESTARTED_ENV", "PER_TEST_ENV", "THREAD_ENV"]
 
 DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch")
 
