@@ -18,7 +18,7 @@ from .verdicts import SCOUTED, VerdictCache, package_fingerprint
 from .files import unlink_all
 from .profiles import write_profile
 from .client import Launcher, ZygoteProcess
-from .result import LauncherError
+from .result import LauncherError, ZygoteDied
 
 __all__ = ["main"]
 
@@ -63,7 +63,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     modules = settings.preload_modules(args.preload)
     launcher = Launcher(modules)
-    found, exists = (None, False) if args.no_daemon else _daemon_for(modules, os.environ)
+    try:
+        found, exists = (None, False) if args.no_daemon else _daemon_for(modules, os.environ)
+    except LauncherError as err:  # no private directory, a daemon that cannot start
+        print(f"preload-launcher run: {err}; running the command as a plain process",
+              file=sys.stderr)
+        return _exit_status(_run_plain(args.command, args.timeout))
     if found is not None:
         launcher.zygotes.append(found)
         how = f"the daemon (pid {found.status['pid']})"
@@ -83,6 +88,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except subprocess.TimeoutExpired:
         print(f"preload-launcher run: timed out after {args.timeout} s", file=sys.stderr)
         return 124
+    except ZygoteDied as err:  # `stop` (or a crash) ended the daemon, and the step with it
+        print(f"preload-launcher run: the zygote (pid {err.pid}) stopped while running the "
+              "command, which was killed with it", file=sys.stderr)
+        return 128 + signal.SIGKILL
     finally:
         launcher.close()
     say(args, f"{how}, via {result.via}" + (f" ({result.reason})" if result.reason else ""))
@@ -259,6 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             zygote = daemon.start_daemon(modules, os.environ, args.idle_timeout, _terminal())
         finally:
             unlink_all(daemon.starting_file(modules))  # started (or failed): `run` may try again
+    if zygote.process is not None:  # this call started it (else another had, meanwhile)
         print(f"preload-launcher: serving, pid {zygote.status['pid']}, preloaded "
               f"{', '.join(zygote.status['preload']['loaded']) or '(none)'} in "
               f"{zygote.status['preload']['seconds']:.1f} s; log {zygote.log_path}")

@@ -17,9 +17,12 @@ from typing import Mapping, Optional, Sequence
 
 from . import settings
 from .client import ZygoteProcess
-from .files import read_json, unlink_all, write_json, zygote_files
+from .files import lock_file, read_json, remove_all, unlink_all, write_json, zygote_files
+from .result import LauncherError
 
 __all__ = ["daemon_paths", "find_daemon", "start_daemon", "stop_daemon", "list_daemons"]
+
+START_WAIT_S = 600.0  # how long to wait for a daemon that another process is starting
 
 
 def daemon_paths(modules: Sequence[str]) -> tuple[str, str]:
@@ -43,13 +46,31 @@ def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Option
 
 def start_daemon(modules: Sequence[str], env: Mapping[str, str],
                  idle_timeout_s: Optional[float] = None, progress=None) -> ZygoteProcess:
-    """Start a detached daemon (replacing a dead one) and wait until it serves."""
+    """Start a detached daemon (replacing a dead one) and wait until it serves; when another
+    process starts one or runs one meanwhile, that one. Every way a daemon starts goes through
+    here: its lock (taken here, then held by the daemon for life) lets one live at a time, and
+    only its holder replaces the socket and writes the metadata."""
     sock, meta_path = daemon_paths(modules)
-    zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
-                           idle_timeout_s=idle_timeout_s).start(progress)
-    meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
-            "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
-    write_json(meta_path, meta)
+    lock = zygote_files(sock)["lock"]
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        lock_fd = lock_file(lock)
+        if lock_fd is not None:
+            break
+        try:  # another daemon lives or is starting: it answers once its preload is done
+            return ZygoteProcess.attach(sock)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise LauncherError(f"a daemon holds {lock} but does not answer at {sock}")
+            time.sleep(0.1)
+    try:
+        zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
+                               idle_timeout_s=idle_timeout_s, lock_fd=lock_fd).start(progress)
+        meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
+                "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
+        write_json(meta_path, meta)
+    finally:
+        os.close(lock_fd)  # the daemon holds it now (or, if it failed, no one)
     zygote.process.returncode = 0  # detached: never reaped (or warned about) by this process
     return zygote
 
@@ -103,7 +124,8 @@ def wait_for_starting(timeout: float = 120.0) -> None:
 
 
 def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
-    """Stop the daemon and every step it runs; returns its pid, or None if none ran."""
+    """Stop the daemon and every step it runs; returns its pid, or None if none ran. What a
+    daemon that died left behind goes too, but never the files of one that lives."""
     zygote, meta = find_daemon(modules)
     sock, meta_path = daemon_paths(modules)
     pid = None
@@ -115,7 +137,11 @@ def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
             time.sleep(0.05)
         if _pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
-    unlink_all(*zygote_files(sock).values())  # socket, log, proxy and this metadata
+    files = zygote_files(sock)
+    lock_fd = lock_file(files["lock"], wait_s=timeout)  # free once the daemon's pid is gone
+    if lock_fd is not None:
+        remove_all(*files.values())  # socket, log, stand-ins, metadata, then the lock (held)
+        os.close(lock_fd)
     return pid
 
 
