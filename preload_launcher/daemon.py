@@ -65,10 +65,16 @@ def start_daemon(modules: Sequence[str], env: Mapping[str, str],
             time.sleep(0.1)
     try:
         zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
-                               idle_timeout_s=idle_timeout_s, lock_fd=lock_fd).start(progress)
+                               idle_timeout_s=idle_timeout_s, lock_fd=lock_fd).launch()
+        # Written before it serves: it takes this file with it when it stops, even at once.
         meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
                 "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
         write_json(meta_path, meta)
+        try:
+            zygote.wait_ready(progress)
+        except BaseException:
+            unlink_all(meta_path)  # it never served (the lock is still ours)
+            raise
     finally:
         os.close(lock_fd)  # the daemon holds it now (or, if it failed, no one)
     zygote.process.returncode = 0  # detached: never reaped (or warned about) by this process
