@@ -138,7 +138,8 @@ sys.stdin.readline()  # the other user re-points the link meanwhile
 env = dict(os.environ, SECRET="s3cret")
 second = launcher.run([sys.executable, "-c", "import os; print(os.environ['SECRET'])"], env=env)
 shell = launcher.run(["sh", "-c", "python3 -c 'print(7)'"], env=env)  # stand-ins on PATH
-print(json.dumps({"first": first.stdout, "second": second.stdout, "shell": shell.stdout}))
+print(json.dumps({"first": first.stdout, "second": second.stdout, "shell": shell.stdout,
+                  "with_standins": launcher.stats["with_standins"]}))
 launcher.close()
 """
 
@@ -177,7 +178,8 @@ def test_a_symlinked_runtime_dir_re_pointed_never_reaches_another_user(stranger,
         shutil.rmtree(victims_own, ignore_errors=True)
     assert victim.returncode == 0, err
     results = json.loads(out)
-    assert results == {"first": "first\n", "second": "s3cret\n", "shell": "7\n"}
+    assert results == {"first": "first\n", "second": "s3cret\n", "shell": "7\n",
+                       "with_standins": 1}  # stand-ins of our own served the shell step
     assert not os.path.exists(record)  # the fake server never saw a request
     assert not os.path.exists(marker)  # nor did a fake stand-in run
     assert f"{link} is a symbolic link" in err  # and the victim was told
