@@ -19,6 +19,7 @@ from .files import unlink_all
 from .profiles import write_profile
 from .client import Launcher, ZygoteProcess
 from .result import LauncherError, ZygoteDied
+from .rundir import NoPrivateDirectory
 
 __all__ = ["main"]
 
@@ -432,8 +433,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
-    return {"run": cmd_run, "doctor": cmd_doctor, "serve": cmd_serve, "status": cmd_status,
-            "stop": cmd_stop, "learned": cmd_learned, "profile": cmd_profile}[args.verb](args)
+    verb = {"run": cmd_run, "doctor": cmd_doctor, "serve": cmd_serve, "status": cmd_status,
+            "stop": cmd_stop, "learned": cmd_learned, "profile": cmd_profile}[args.verb]
+    try:
+        return verb(args)
+    except NoPrivateDirectory as err:  # another user holds or opened our directories
+        print(f"preload-launcher {args.verb}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

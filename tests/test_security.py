@@ -300,6 +300,11 @@ def test_with_no_private_dir_anywhere_steps_run_as_processes(stranger, victim_en
             "print(preload_launcher.run([sys.executable, '-c', 'pass']).reason)")
     reason = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True).stdout
     assert "no private runtime directory" in reason and f"owned by uid {stranger.uid}" in reason
+    for verb in ("serve", "status", "stop"):
+        said = subprocess.run(CLI + [verb], env=env, capture_output=True, text=True)
+        assert said.returncode == 1 and said.stderr.startswith(f"preload-launcher {verb}: no "
+                                                               "private runtime directory")
+        assert len(said.stderr.splitlines()) == 1, said.stderr
 
 
 # ------------------------------------------------------------------ one daemon per name
