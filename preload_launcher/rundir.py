@@ -13,6 +13,7 @@ neither is safe, ``NoPrivateDirectory`` says why and the caller runs the step as
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import sys
@@ -36,7 +37,8 @@ def private_runtime_dir(base: str, cache_dir: str) -> str:
     if not problem:
         return os.path.join(os.path.realpath(base), name)
     fallback_base = cache_dir
-    fallback_name = f"run-{os.uname().nodename or 'localhost'}"  # a $HOME shared by machines
+    # One per machine (a $HOME shared by machines), named short: sockets take 107 bytes at most.
+    fallback_name = "run-" + hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]
     fallback_problem = _private_dir(fallback_base, fallback_name)
     if fallback_problem:
         raise NoPrivateDirectory(f"no private runtime directory: {problem}; {fallback_problem} "

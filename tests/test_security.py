@@ -230,7 +230,7 @@ def test_a_stand_in_never_talks_to_another_users_server(stranger, tmp_path):
     assert not os.path.exists(record)
 
 
-def test_a_symlinked_runtime_dir_is_never_used(tmp_path):
+def test_a_symlinked_runtime_dir_is_never_used(tmp_path, victim_env):
     """The same check without a second user: the predictable name is a link to a private
     directory of ours; it is not followed."""
     base = tmp_path / "base"
@@ -242,9 +242,7 @@ def test_a_symlinked_runtime_dir_is_never_used(tmp_path):
             "'print(1)']); print(r.via, r.stdout, end=''); "
             "print(os.listdir(sys.argv[1]))")  # while its zygote serves
     out = subprocess.run([PY, "-c", code, str(target)], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, XDG_RUNTIME_DIR=str(base),
-                                               PYTHONPATH=REPO, PRELOAD_LAUNCHER_MODULES="json",
-                                               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "c")))
+                         timeout=120, env=dict(victim_env, XDG_RUNTIME_DIR=str(base)))
     assert (out.returncode, out.stdout) == (0, "zygote 1\n[]\n"), out.stderr  # not through it
     assert "is a symbolic link" in out.stderr
 
@@ -285,6 +283,19 @@ def test_a_taken_runtime_dir_falls_back_to_a_private_one(stranger, victim_env, t
                  predictable(victim_env))
     assert_all_ways_work(victim_env, tmp_path, via="zygote")
     assert os.listdir(predictable(victim_env)) == []  # nothing of ours went there
+
+
+def test_an_open_runtime_dir_of_ours_is_not_used_either(tmp_path, victim_env):
+    """Without a second user: the predictable directory is open to all (as another user's
+    `mkdir -m777` leaves it); every way in works, and nothing goes there."""
+    base = tmp_path / "base"
+    base.mkdir()
+    open_dir = base / f"preload_launcher-{os.getuid()}"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    env = dict(victim_env, XDG_RUNTIME_DIR=str(base))  # its cache directory: a short path
+    assert_all_ways_work(env, tmp_path, via="zygote")
+    assert os.listdir(open_dir) == []
 
 
 def test_with_no_private_dir_anywhere_steps_run_as_processes(stranger, victim_env, tmp_path):
