@@ -39,6 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          implicit=args.implicit)
         finally:
             unlink_all(starting_file(modules))  # started (or failed): `run` may try again
+    if zygote.process is not None:  # this call started it (else another had, meanwhile)
         print(f"preload-launcher: serving, pid {zygote.status['pid']}, preloaded "
               f"{', '.join(zygote.status['preload']['loaded']) or '(none)'} in "
               f"{zygote.status['preload']['seconds']:.1f} s; log {zygote.log_path}")

@@ -16,6 +16,7 @@ import pytest
 
 from . import client, daemon, settings
 from .reporting import format_deferred, format_learned, preload_problems
+from .result import LauncherError
 
 PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"
 MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
@@ -74,14 +75,17 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[shared_key] = shared
     elif worker is not None or not config.option.collectonly:
         # Its preload overlaps collection; under xdist, the workers' steps all go to it.
-        config.stash[shared_key] = launcher.prestart().socket_path
+        try:
+            config.stash[shared_key] = launcher.prestart().socket_path
+        except (LauncherError, OSError):  # no private directory: each run() says why it ran
+            pass                           # as a plain process; the session goes on
 
 
 def _matching_daemon(modules) -> str:
     """The socket of a running ``serve`` daemon for this preload set and environment, or ""."""
     try:
         zygote, _ = daemon.find_daemon(modules)
-    except OSError:
+    except (LauncherError, OSError):
         return ""
     return zygote.socket_path if zygote is not None and zygote.matches(os.environ) else ""
 
