@@ -17,7 +17,7 @@ import hashlib
 import os
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from .files import read_json, unlink_all, write_json
 
@@ -133,14 +133,43 @@ def _from_project(module, roots: tuple[str, ...]) -> bool:
     return os.path.realpath(path).startswith(roots)
 
 
-def report_step_imports(before: set[str], reports_dir: Optional[str], project: str) -> None:
-    """At a step's exit: write the names of modules it imported (not from the project's tree)."""
+def _zygote_can_import(module, zygote_path: set[str]) -> bool:
+    """Is this top-level module found through the zygote's own ``sys.path``? Not when it came
+    from the step's script folder or cwd (a namespace package without ``__file__`` included),
+    nor from an entry a library appended at run time (onnxruntime's helpers): the zygote would
+    fail to import it, or import it where a step's own file should win."""
+    path = getattr(module, "__file__", None)
+    if path:
+        folder = os.path.dirname(path)
+        if hasattr(module, "__path__"):
+            folder = os.path.dirname(folder)
+        return os.path.abspath(folder) in zygote_path
+    portions = getattr(module, "__path__", None)
+    if portions is not None:  # a namespace package: importable where one of its portions is
+        return any(os.path.abspath(os.path.dirname(p)) in zygote_path for p in list(portions))
+    return True  # built-in or frozen
+
+
+def report_step_imports(before: set[str], reports_dir: Optional[str], project: str,
+                        zygote_path: Sequence[str]) -> None:
+    """At a step's exit: write the names of modules it imported that the zygote can import
+    (found through ``zygote_path``, its ``sys.path``) and that are not from the project's tree."""
     if not reports_dir:
         return
     roots = tuple(os.path.join(os.path.realpath(p), "") for p in {project, os.getcwd()}
                   if p and os.path.realpath(p) != "/")
-    names = [name for name, module in list(sys.modules.items())
-             if name not in before and name != "__main__" and not _from_project(module, roots)]
+    importable = {os.path.abspath(p) for p in zygote_path}
+    verdicts: dict[str, bool] = {}  # per top-level package
+    names = []
+    for name, module in list(sys.modules.items()):
+        if name in before or name == "__main__" or _from_project(module, roots):
+            continue
+        top = name.partition(".")[0]
+        if top not in verdicts:
+            top_module = sys.modules.get(top)
+            verdicts[top] = top_module is not None and _zygote_can_import(top_module, importable)
+        if verdicts[top]:
+            names.append(name)
     if not names:
         return
     try:

@@ -130,12 +130,10 @@ class PreloadReport:
 
 class _CulpritHook:
     """Wraps ``__import__`` to catch the first import after which the driver is initialised,
-    and keeps the live stack of imports (what each was, who asked, for which names)."""
+    and the chain of modules that were importing it."""
 
     def __init__(self, probe: DriverProbe) -> None:
         self.probe = probe
-        self.stack: list[str] = []
-        self.frames: list[tuple] = []  # (module, importer, fromlist), parallel to ``stack``
         self.culprit = ""
         self.chain: list[str] = []
         self._original = builtins.__import__
@@ -148,17 +146,13 @@ class _CulpritHook:
                                                     (globals or {}).get("__package__") or "")
             except (ImportError, ValueError):
                 pass
-        self.stack.append(label)
-        self.frames.append((label, (globals or {}).get("__name__", ""), tuple(fromlist or ())))
         try:
             return self._original(name, globals, locals, fromlist, level)
         finally:
-            self.stack.pop()
-            self.frames.pop()
             threads.pin_for_preload()  # torch's pool at one thread as soon as torch is here
             if not self.culprit and self.probe.initialized():
                 self.culprit = label
-                self.chain = _dedupe(self.stack + [label])
+                self.chain = _dedupe(_modules_being_imported() + [label])
 
     def __enter__(self):
         builtins.__import__ = self
@@ -166,6 +160,19 @@ class _CulpritHook:
 
     def __exit__(self, *exc):
         builtins.__import__ = self._original
+
+
+def _modules_being_imported() -> list[str]:
+    """The modules whose top level runs on this thread's stack, outermost first: the chain of
+    importers however each import was spelt (``from . import x`` and ``importlib.import_module``
+    never call ``__import__`` for ``x``)."""
+    names = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") != "__main__":
+            names.append(frame.f_globals.get("__name__", ""))
+        frame = frame.f_back
+    return names[::-1]
 
 
 def _dedupe(names: list[str]) -> list[str]:
@@ -184,17 +191,12 @@ def import_entry(module: str, probe: DriverProbe, blocker: Optional[Blocker] = N
     threads.pin_for_preload()
     start = time.perf_counter()
     with _CulpritHook(probe) as hook:
-        if blocker is not None:
-            blocker.frames = hook.frames
         try:
             importlib.import_module(module)
             report.ok = True
         except BaseException as exc:  # a failed preload is reported, never fatal
             report.error = f"{type(exc).__name__}: {exc}"
             report.missing = getattr(exc, "name", None) or "" if isinstance(exc, ImportError) else ""
-        finally:
-            if blocker is not None:
-                blocker.frames = None
     report.seconds = round(time.perf_counter() - start, 3)
     report.native_threads_added = sum(native_threads().values()) - threads_before
     report.python_threads = [t.name for t in threading.enumerate()

@@ -1,0 +1,148 @@
+"""What a guarded import statement binds, and what its guard swallows, read from the importer's
+code where the zygote's block made it fail (``deferral.Blocker``).
+
+A cut import is replayed in each step (``deferral.replay``), and must do there what it would
+have done in a fresh interpreter: bind the names the statement binds (``from .x import *``,
+``from . import x``, ``import a.b as c``, ``m = importlib.import_module(...)``), and fail the
+way it would have failed: swallowed when its guard (``try/except``, ``contextlib.suppress``,
+a ``contextlib.contextmanager`` guard such as modelopt's ``import_plugin``) swallows the error,
+raised when it does not. Both are read from the bytecode at the frame's current instruction,
+so every spelling of a guard is covered by the interpreter's own compilation of it.
+"""
+
+from __future__ import annotations
+
+import dis
+import gc
+import importlib.util
+from typing import Optional
+
+__all__ = ["bindings", "guard_of"]
+
+_STORES = {"STORE_NAME", "STORE_GLOBAL", "STORE_FAST", "STORE_DEREF"}
+_IMPORT_ERROR = {"swallows": ["builtins.ImportError"]}  # when the guard cannot be read
+
+
+def _instructions(code) -> list:
+    return list(dis.get_instructions(code))
+
+
+def _at(instructions: list, offset: int) -> int:
+    for i, instruction in enumerate(instructions):
+        if instruction.offset == offset:
+            return i
+    return -1
+
+
+def bindings(frame) -> Optional[list[list[str]]]:
+    """The names the import at ``frame``'s current instruction binds, as ``[name, dotted
+    path of the object]`` (``["*", module]`` for a star import; ``[name, ""]`` for the result
+    of a call stored in ``name``: ``m = importlib.import_module(...)``); None when unknown."""
+    code = frame.f_code
+    instructions = _instructions(code)
+    i = _at(instructions, frame.f_lasti)
+    if i < 0:
+        return None
+    op = instructions[i]
+    if op.opname != "IMPORT_NAME":  # a call: importlib.import_module(...) or __import__(...)
+        after = instructions[i + 1] if i + 1 < len(instructions) else None
+        return [[after.argval, ""]] if after is not None and after.opname in _STORES else []
+    level, fromlist = instructions[i - 2].argval, instructions[i - 1].argval
+    name = op.argval
+    if level:
+        package = frame.f_globals.get("__package__") or \
+            frame.f_globals.get("__name__", "").rpartition(".")[0]
+        name = importlib.util.resolve_name("." * level + name, package)
+    stack = [name if fromlist else name.partition(".")[0]]
+    binds: list[list[str]] = []
+    for instruction in instructions[i + 1:]:
+        if not stack:
+            break
+        opname = instruction.opname
+        if opname == "IMPORT_FROM":
+            stack.append(f"{stack[-1]}.{instruction.argval}")
+        elif opname in _STORES:
+            binds.append([instruction.argval, stack.pop()])
+        elif opname == "IMPORT_STAR" or "IMPORT_STAR" in (instruction.argrepr or ""):
+            binds.append(["*", stack.pop()])
+        elif opname in ("SWAP", "ROT_TWO"):
+            n = instruction.arg if opname == "SWAP" else 2
+            stack[-1], stack[-n] = stack[-n], stack[-1]
+        elif opname == "POP_TOP":
+            stack.pop()
+        else:
+            break
+    return binds
+
+
+def guard_of(frame) -> Optional[dict]:
+    """What the handler around ``frame``'s current instruction swallows: ``{"swallows":
+    [exception names]}`` for ``except`` clauses and ``suppress``, ``{"cm": ...}`` for a
+    generator context manager (re-created in the step), None when no handler covers it."""
+    entries = getattr(dis.Bytecode(frame.f_code), "exception_entries", None)
+    if entries is None:  # Python 3.10: no exception table to read
+        return None
+    covering = [e for e in entries if e.start <= frame.f_lasti < e.end]
+    if not covering:
+        return None
+    instructions = _instructions(frame.f_code)
+    i = _at(instructions, covering[0].target)
+    if i < 0 or instructions[i].opname != "PUSH_EXC_INFO":
+        return dict(_IMPORT_ERROR)  # a cleanup (``finally``) or a shape not known here
+    if instructions[i + 1].opname == "WITH_EXCEPT_START":
+        return _context_manager_guard(frame)
+    return _except_clauses(instructions, i + 1, frame)
+
+
+def _except_clauses(instructions: list, i: int, frame) -> dict:
+    """``except A:``, ``except (A, mod.B):``, several clauses (each a test that jumps to the
+    next), a bare ``except:`` (no test: it swallows everything)."""
+    by_offset = {instruction.offset: n for n, instruction in enumerate(instructions)}
+    names: list[str] = []
+    while i < len(instructions):
+        loaded: list = []
+        j = i
+        while instructions[j].opname in ("LOAD_NAME", "LOAD_GLOBAL", "LOAD_ATTR", "BUILD_TUPLE"):
+            instruction = instructions[j]
+            if instruction.opname == "LOAD_ATTR":
+                loaded[-1] = getattr(loaded[-1], instruction.argval, None)
+            elif instruction.opname != "BUILD_TUPLE":
+                loaded.append(_lookup(frame, instruction.argval))
+            j += 1
+        if instructions[j].opname == "RERAISE":
+            break  # no clause matched: the error goes on
+        if instructions[j].opname != "CHECK_EXC_MATCH":
+            return {"swallows": ["builtins.BaseException"]}  # a bare ``except:``
+        names.extend(_name_of(t) for t in loaded if isinstance(t, type))
+        jump = instructions[j + 1]
+        if "JUMP" not in jump.opname or jump.argval not in by_offset:
+            break
+        i = by_offset[jump.argval]
+    return {"swallows": names or ["builtins.ImportError"]}
+
+
+def _lookup(frame, name: str):
+    if name in frame.f_globals:
+        return frame.f_globals[name]
+    builtins = frame.f_globals.get("__builtins__")
+    return (builtins if isinstance(builtins, dict) else vars(builtins)).get(name)
+
+
+def _context_manager_guard(frame) -> dict:
+    """The ``with`` statement's context manager, from the frame's value stack."""
+    for obj in gc.get_referents(frame):
+        manager = getattr(obj, "__self__", None) if getattr(obj, "__name__", "") == "__exit__" \
+            else None
+        if manager is None:
+            continue
+        if hasattr(manager, "_exceptions"):  # contextlib.suppress
+            return {"swallows": [_name_of(t) for t in manager._exceptions]}
+        func = getattr(manager, "func", None)
+        if func is not None and hasattr(manager, "args"):  # contextlib.contextmanager
+            return {"cm": [func.__module__, func.__qualname__], "args": list(manager.args),
+                    "kwargs": dict(manager.kwds)}
+    return dict(_IMPORT_ERROR)
+
+
+def _name_of(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
