@@ -13,7 +13,6 @@ so every spelling of a guard is covered by the interpreter's own compilation of 
 from __future__ import annotations
 
 import dis
-import gc
 import importlib.util
 from typing import Optional
 
@@ -28,10 +27,13 @@ def _instructions(code) -> list:
 
 
 def _at(instructions: list, offset: int) -> int:
+    """The instruction at ``offset`` (a frame's ``f_lasti`` may point into its inline caches)."""
+    found = -1
     for i, instruction in enumerate(instructions):
-        if instruction.offset == offset:
-            return i
-    return -1
+        if instruction.offset > offset:
+            break
+        found = i
+    return found
 
 
 def bindings(frame) -> Optional[list[list[str]]]:
@@ -90,7 +92,7 @@ def guard_of(frame) -> Optional[dict]:
     if i < 0 or instructions[i].opname != "PUSH_EXC_INFO":
         return dict(_IMPORT_ERROR)  # a cleanup (``finally``) or a shape not known here
     if instructions[i + 1].opname == "WITH_EXCEPT_START":
-        return _context_manager_guard(frame)
+        return _context_manager_guard(frame, instructions, _at(instructions, covering[0].start))
     return _except_clauses(instructions, i + 1, frame)
 
 
@@ -128,20 +130,57 @@ def _lookup(frame, name: str):
     return (builtins if isinstance(builtins, dict) else vars(builtins)).get(name)
 
 
-def _context_manager_guard(frame) -> dict:
-    """The ``with`` statement's context manager, from the frame's value stack."""
-    for obj in gc.get_referents(frame):
-        manager = getattr(obj, "__self__", None) if getattr(obj, "__name__", "") == "__exit__" \
-            else None
-        if manager is None:
-            continue
-        if hasattr(manager, "_exceptions"):  # contextlib.suppress
-            return {"swallows": [_name_of(t) for t in manager._exceptions]}
-        func = getattr(manager, "func", None)
-        if func is not None and hasattr(manager, "args"):  # contextlib.contextmanager
-            return {"cm": [func.__module__, func.__qualname__], "args": list(manager.args),
-                    "kwargs": dict(manager.kwds)}
+def _context_manager_guard(frame, instructions: list, body_start: int) -> dict:
+    """The ``with`` statement's context manager, made again from the expression before its
+    ``BEFORE_WITH`` (a plain call such as ``suppress(ImportError)`` or ``import_plugin("x")``):
+    a live frame's value stack cannot be read from Python."""
+    manager = _evaluate_with_expression(frame, instructions, body_start)
+    if hasattr(manager, "_exceptions"):  # contextlib.suppress
+        return {"swallows": [_name_of(t) for t in manager._exceptions]}
+    func = getattr(manager, "func", None)
+    if func is not None and hasattr(manager, "args"):  # contextlib.contextmanager
+        return {"cm": [func.__module__, func.__qualname__], "args": list(manager.args),
+                "kwargs": dict(manager.kwds)}
     return dict(_IMPORT_ERROR)
+
+
+_NULL = object()
+
+
+def _evaluate_with_expression(frame, instructions: list, body_start: int):
+    """Evaluate names, attributes, constants and calls from the ``with`` line's first
+    instruction up to its ``BEFORE_WITH``; None for anything else."""
+    end = next((n for n in range(body_start, -1, -1)
+                if instructions[n].opname == "BEFORE_WITH"), -1)
+    begin = next((n for n in range(end, -1, -1) if instructions[n].starts_line), -1)
+    if end < 0 or begin < 0:
+        return None
+    stack: list = []
+    try:
+        for instruction in instructions[begin:end]:
+            opname, arg = instruction.opname, instruction.argval
+            if opname == "PUSH_NULL" or (opname == "LOAD_GLOBAL" and
+                                         (instruction.argrepr or "").startswith("NULL")):
+                stack.append(_NULL)
+            if opname in ("LOAD_NAME", "LOAD_GLOBAL"):
+                stack.append(_lookup(frame, arg))
+            elif opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                stack[-1] = getattr(stack[-1], arg)
+            elif opname == "LOAD_CONST":
+                stack.append(arg)
+            elif opname == "CALL":
+                args = [stack.pop() for _ in range(instruction.arg)][::-1]
+                func = stack.pop()
+                while func is _NULL:
+                    func = stack.pop()
+                if stack and stack[-1] is _NULL:
+                    stack.pop()
+                stack.append(func(*args))
+            elif opname not in ("PRECALL", "PUSH_NULL", "NOP", "RESUME", "CACHE"):
+                return None
+    except Exception:
+        return None
+    return stack[-1] if len(stack) == 1 else None
 
 
 def _name_of(cls: type) -> str:

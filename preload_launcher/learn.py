@@ -53,6 +53,7 @@ class Profile:
         stale = bool(self.data["fingerprint"]) and self.data["fingerprint"] != fingerprint
         if stale:
             self.data["modules"] = {}
+            self.data["guards_deferred"] = []  # what the zygote had to leave to the steps
         self.data["fingerprint"] = fingerprint
         return stale
 

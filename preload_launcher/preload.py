@@ -293,15 +293,15 @@ def unguarded_verdict(entry: EntryReport, skip: dict) -> dict:
 
 
 def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
-                    keep_going: Callable[[], bool] = lambda: True
-                    ) -> tuple[dict, Optional[EntryReport]]:
+                    keep_going: Callable[[], bool] = lambda: True,
+                    blocker: Optional[Blocker] = None) -> tuple[dict, Optional[EntryReport]]:
     """Import learned modules until the time budget is spent or ``keep_going()`` says stop;
-    stop at the first dirty one.
+    stop at the first dirty one. One that tries a deferred package is not kept (``blocker``).
 
     Returns a summary (with each module's cost) and, when one made the process unfit to fork,
     its report."""
     summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
-               "costs": {}}
+               "costs": {}, "guards_deferred": []}
     start = time.perf_counter()
     dirty = None
     with cuda_safe_imports():
@@ -315,7 +315,11 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
             if not keep_going():
                 summary["interrupted"] = True
                 break
+            blocked_before = len(blocker.stacks) if blocker is not None else 0
             entry = import_entry(module, probe)
+            if blocker is not None and unimport_blocked(blocker, blocked_before, module):
+                summary["guards_deferred"].append(module)
+                continue
             summary["loaded" if entry.ok else "failed"] += 1
             summary["costs"][module] = entry.seconds
             if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
@@ -323,6 +327,21 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
                 break
     summary["seconds"] = round(time.perf_counter() - start, 3)
     return summary, dirty
+
+
+def unimport_blocked(blocker: Blocker, blocked_before: int, module: str) -> bool:
+    """A learned module whose import tried a deferred package (``try: import fakegeo / except
+    ImportError: HAVE_GEO = False``) would keep what the block made of it in every step: the
+    modules on the way to the blocked import that this import loaded are taken out of
+    ``sys.modules`` again, so steps import them fresh. True if there were any."""
+    stacks = blocker.stacks[blocked_before:]
+    if not stacks:
+        return False
+    del blocker.stacks[blocked_before:]  # no cut to replay: the step imports them itself
+    on_the_way = {frame.module for _, _, frames in stacks for frame in frames if frame.is_module}
+    for name in on_the_way | {module}:
+        sys.modules.pop(name, None)
+    return True
 
 
 def verdict_for(entry: EntryReport) -> dict:
@@ -546,10 +565,14 @@ class Preloader:
         """Import the learned modules this process lacks while ``keep_going()`` and the budget
         (for the zygote's whole life) allow; raises ``Quarantined`` for a dirty one. The profile
         is saved when ``changed`` or when something was imported."""
-        modules = [m for m in self.profile.to_preload(exclude=set(self.config.modules))
+        exclude = set(self.config.modules) | set(self.profile.data.get("guards_deferred", []))
+        modules = [m for m in self.profile.to_preload(exclude=exclude)
                    if top_level(m) not in self.refused | self.blocker.packages]
         budget = self.config.learn_budget_s - self.learn_spent_s
-        summary, dirty = preload_learned(modules, self.probe, budget, keep_going)
+        summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker)
+        if summary["guards_deferred"]:  # not tried again by later zygotes
+            known = self.profile.data.setdefault("guards_deferred", [])
+            known.extend(m for m in summary["guards_deferred"] if m not in known)
         self.learn_spent_s += summary["seconds"]
         summary["imported"] = len(summary["costs"])
         for module, seconds in summary.pop("costs").items():
