@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.abc
+import importlib.machinery
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -209,7 +210,9 @@ def replay(cuts: list[CutImport]) -> None:
             if name != "*":
                 setattr(importer, name, obj)
                 continue
-            names = getattr(obj, "__all__", None) or [n for n in vars(obj) if not n.startswith("_")]
+            names = getattr(obj, "__all__", None)
+            if names is None:
+                names = [n for n in vars(obj) if not n.startswith("_")]
             for attr in names:
                 if hasattr(obj, attr):
                     setattr(importer, attr, getattr(obj, attr))
@@ -227,12 +230,19 @@ class _ReplayOnImport(importlib.abc.MetaPathFinder):
         if "." in name or name not in self.deferred:
             return None
         spec = _find_elsewhere(name, path, target)
+        namespace = spec is not None and spec.loader is None and \
+            spec.submodule_search_locations is not None
+        if namespace:  # megatron: the loader python gives a namespace package
+            spec.loader = _NamespaceLoader.__new__(_NamespaceLoader)
+            spec.loader._path = spec.submodule_search_locations
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader = spec.loader
 
         def exec_and_replay(module):
             module.__loader__ = module.__spec__.loader = loader  # as if never wrapped
+            if namespace:
+                module.__file__ = None
             cuts = self.deferred.pop(name, None)
             try:
                 loader.exec_module(module)
@@ -247,6 +257,10 @@ class _ReplayOnImport(importlib.abc.MetaPathFinder):
 
         spec.loader = _Loader(loader, exec_and_replay)
         return spec
+
+
+_NamespaceLoader = getattr(importlib.machinery, "NamespaceLoader", None) or \
+    importlib._bootstrap_external._NamespaceLoader  # type: ignore[attr-defined]  # 3.10
 
 
 class _Loader(importlib.abc.Loader):

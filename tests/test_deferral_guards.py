@@ -201,3 +201,34 @@ def test_a_learned_module_that_guards_a_deferred_package_sees_it_as_fresh(site):
         assert ours.stdout == fresh.stdout and ours.stdout.endswith("True\n")
     finally:
         launcher.close()
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_a_deferred_namespace_package_and_an_empty_all_replay_as_fresh(tmp_path, mode):
+    """megatron's shape (a namespace package) deferred; a plugin with ``__all__ = []``."""
+    root = tmp_path / "site"
+    for name, text in {
+        "nsopt/__init__.py": "from . import plugins\n",
+        "nsopt/registry.py": "REGISTRY = ['base']\n",
+        "nsopt/plugins/__init__.py": "try:\n    from .geo import *\nexcept ImportError:\n    pass\n",
+        "nsopt/plugins/geo.py": "import fakens.typing\nfrom nsopt.registry import REGISTRY\n"
+                                "REGISTRY.append('geo')\n__all__ = []\nPUBLIC = 1\n",
+        "fakens/typing.py": "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n",
+        "nsopt-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: nsopt\nVersion: 1.0\n",
+    }.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    env = dict(os.environ, PYTHONPATH=str(root), PRELOAD_LAUNCHER_PROBE="fake",
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"), PRELOAD_LAUNCHER_DEFERRED=mode)
+    code = (("import fakens\n" if mode == "lazy" else "") +
+            "import nsopt.plugins as p, fakens\nfrom nsopt.registry import REGISTRY\n"
+            "print(REGISTRY, hasattr(p, 'PUBLIC'), fakens.__file__, type(fakens.__loader__).__name__)\n")
+    launcher = Launcher(["nsopt"], project=str(tmp_path))
+    try:
+        assert "fakens" in launcher.zygote_for(env).status["preload"]["deferred"]
+        ours, fresh = run_both(launcher, code, env, tmp_path)
+        assert ours.via == "zygote"
+        assert ours.stdout == fresh.stdout == "['base', 'geo'] False None NamespaceLoader\n"
+    finally:
+        launcher.close()
