@@ -13,6 +13,7 @@ so every spelling of a guard is covered by the interpreter's own compilation of 
 from __future__ import annotations
 
 import dis
+import functools
 import importlib.util
 from typing import Optional
 
@@ -22,8 +23,14 @@ _STORES = {"STORE_NAME", "STORE_GLOBAL", "STORE_FAST", "STORE_DEREF"}
 _IMPORT_ERROR = {"swallows": ["builtins.ImportError"]}  # when the guard cannot be read
 
 
+@functools.lru_cache(maxsize=256)  # a module's code is read once for all its blocked imports
 def _instructions(code) -> list:
     return list(dis.get_instructions(code))
+
+
+@functools.lru_cache(maxsize=256)
+def _exception_entries(code) -> Optional[list]:
+    return getattr(dis.Bytecode(code), "exception_entries", None)
 
 
 def _at(instructions: list, offset: int) -> int:
@@ -81,7 +88,7 @@ def guard_of(frame) -> Optional[dict]:
     """What the handler around ``frame``'s current instruction swallows: ``{"swallows":
     [exception names]}`` for ``except`` clauses and ``suppress``, ``{"cm": ...}`` for a
     generator context manager (re-created in the step), None when no handler covers it."""
-    entries = getattr(dis.Bytecode(frame.f_code), "exception_entries", None)
+    entries = _exception_entries(frame.f_code)
     if entries is None:  # Python 3.10: no exception table to read
         return None
     covering = [e for e in entries if e.start <= frame.f_lasti < e.end]
