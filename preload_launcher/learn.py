@@ -134,21 +134,24 @@ def _from_project(module, roots: tuple[str, ...]) -> bool:
     return os.path.realpath(path).startswith(roots)
 
 
-def _zygote_can_import(module, zygote_path: set[str]) -> bool:
-    """Is this top-level module found through the zygote's own ``sys.path``? Not when it came
-    from the step's script folder or cwd (a namespace package without ``__file__`` included),
-    nor from an entry a library appended at run time (onnxruntime's helpers): the zygote would
-    fail to import it, or import it where a step's own file should win."""
+def _zygote_can_import(module, zygote_path: set[str], step_only: set[str]) -> bool:
+    """Would the zygote import this top-level module from the same place? Not when it was found
+    through a ``sys.path`` entry the zygote lacks (``step_only``): the step's script folder or
+    cwd (a namespace package without ``__file__`` included), or a folder a library appended at
+    run time (onnxruntime's helpers), where a step's own file should win. Modules found by a
+    finder of their own (editable installs) are found by the zygote's finder too."""
     path = getattr(module, "__file__", None)
     if path:
         folder = os.path.dirname(path)
         if hasattr(module, "__path__"):
             folder = os.path.dirname(folder)
-        return os.path.abspath(folder) in zygote_path
-    portions = getattr(module, "__path__", None)
-    if portions is not None:  # a namespace package: importable where one of its portions is
-        return any(os.path.abspath(os.path.dirname(p)) in zygote_path for p in list(portions))
-    return True  # built-in or frozen
+        folders = {os.path.abspath(folder)}
+    else:
+        portions = getattr(module, "__path__", None)
+        if portions is None:
+            return True  # built-in or frozen
+        folders = {os.path.abspath(os.path.dirname(p)) for p in list(portions)}
+    return bool(folders & zygote_path) or not folders & step_only
 
 
 def report_step_imports(before: set[str], reports_dir: Optional[str], project: str,
@@ -160,6 +163,7 @@ def report_step_imports(before: set[str], reports_dir: Optional[str], project: s
     roots = tuple(os.path.join(os.path.realpath(p), "") for p in {project, os.getcwd()}
                   if p and os.path.realpath(p) != "/")
     importable = {os.path.abspath(p) for p in zygote_path}
+    step_only = {os.path.abspath(p) for p in sys.path if isinstance(p, str)} - importable
     verdicts: dict[str, bool] = {}  # per top-level package
     names = []
     for name, module in list(sys.modules.items()):
@@ -168,7 +172,8 @@ def report_step_imports(before: set[str], reports_dir: Optional[str], project: s
         top = name.partition(".")[0]
         if top not in verdicts:
             top_module = sys.modules.get(top)
-            verdicts[top] = top_module is not None and _zygote_can_import(top_module, importable)
+            verdicts[top] = top_module is not None and _zygote_can_import(top_module, importable,
+                                                                           step_only)
         if verdicts[top]:
             names.append(name)
     if not names:
