@@ -108,6 +108,10 @@ class Profile:
             if module not in forgotten:
                 self.data["modules"].setdefault(module, {"count": 1, "seconds": None})
 
+    def drop(self, module: str) -> None:
+        """Unlearn a module (the zygote failed to import it); steps may teach it again."""
+        self.data["modules"].pop(module, None)
+
     def record_cost(self, module: str, seconds: float) -> None:
         entry = self.data["modules"].get(module)
         if entry is not None:

@@ -301,7 +301,7 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
     Returns a summary (with each module's cost) and, when one made the process unfit to fork,
     its report."""
     summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
-               "costs": {}, "guards_deferred": []}
+               "costs": {}, "guards_deferred": [], "failed_modules": []}
     start = time.perf_counter()
     dirty = None
     with cuda_safe_imports():
@@ -322,6 +322,8 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
                 continue
             summary["loaded" if entry.ok else "failed"] += 1
             summary["costs"][module] = entry.seconds
+            if not entry.ok:
+                summary["failed_modules"].append(module)
             if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
                 dirty = entry
                 break
@@ -573,6 +575,8 @@ class Preloader:
         if summary["guards_deferred"]:  # not tried again by later zygotes
             known = self.profile.data.setdefault("guards_deferred", [])
             known.extend(m for m in summary["guards_deferred"] if m not in known)
+        for module in summary.pop("failed_modules"):  # what the zygote cannot import goes
+            self.profile.drop(module)
         self.learn_spent_s += summary["seconds"]
         summary["imported"] = len(summary["costs"])
         for module, seconds in summary.pop("costs").items():

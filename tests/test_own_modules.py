@@ -160,8 +160,21 @@ def test_learning_skips_what_the_zygote_cannot_import(site, tmp_path):
         learned = learned_modules(second)
         assert {"fakeort", "helperlib"} <= learned
         assert not learned & {"scripts", "scripts.tool", "onnx_model"}
+        profile = second.zygotes[0].status["preload"]["learned"]["profile"]
     finally:
         second.close()
+    # What an older profile learned that the zygote cannot import is dropped at its next start.
+    with open(profile) as f:
+        data = json.load(f)
+    data["modules"]["scripts"] = {"count": 3, "seconds": None}
+    with open(profile, "w") as f:
+        json.dump(data, f)
+    third = Launcher(["json"], project=str(project))
+    try:
+        assert third.zygote_for(env).status["preload"]["learned"]["failed"] == 1
+        assert "scripts" not in learned_modules(third) and "fakeort" in learned_modules(third)
+    finally:
+        third.close()
 
 
 def test_a_tqdm_next_to_the_script_wins_over_the_one_torch_imported(torch_launcher, tmp_path):
