@@ -25,12 +25,18 @@ _IMPORT_ERROR = {"swallows": ["builtins.ImportError"]}  # when the guard cannot 
 
 @functools.lru_cache(maxsize=256)  # a module's code is read once for all its blocked imports
 def _instructions(code) -> list:
-    return list(dis.get_instructions(code))
+    # EXTENDED_ARG only widens the next instruction's argument, which dis already folded in.
+    return [i for i in dis.get_instructions(code) if i.opname != "EXTENDED_ARG"]
 
 
 @functools.lru_cache(maxsize=256)
 def _exception_entries(code) -> Optional[list]:
     return getattr(dis.Bytecode(code), "exception_entries", None)
+
+
+def _from(instructions: list, offset: int) -> int:
+    """The instruction a jump to ``offset`` runs first (past any EXTENDED_ARG there)."""
+    return next((i for i, ins in enumerate(instructions) if ins.offset >= offset), -1)
 
 
 def _at(instructions: list, offset: int) -> int:
@@ -88,29 +94,53 @@ def guard_of(frame) -> Optional[dict]:
     """What the handler around ``frame``'s current instruction swallows: ``{"swallows":
     [exception names]}`` for ``except`` clauses and ``suppress``, ``{"cm": ...}`` for a
     generator context manager (re-created in the step), None when no handler covers it."""
-    entries = _exception_entries(frame.f_code)
-    if entries is None:  # Python 3.10: no exception table to read
+    instructions = _instructions(frame.f_code)
+    handler = _handler(frame.f_code, instructions, frame.f_lasti)
+    if handler is None:
         return None
-    covering = [e for e in entries if e.start <= frame.f_lasti < e.end]
+    i, with_statement = handler
+    if with_statement:
+        return _context_manager_guard(frame, instructions, i)
+    return _except_clauses(instructions, i, frame)
+
+
+def _handler(code, instructions: list, lasti: int) -> Optional[tuple[int, bool]]:
+    """The innermost handler covering ``lasti``: (index of its first instruction, or of the
+    ``with`` statement's body for a ``with``; is it a ``with``)."""
+    entries = _exception_entries(code)
+    if entries is None:  # Python 3.10: the block stack, from SETUP_* and POP_BLOCK in order
+        blocks: list[tuple[int, str]] = []
+        for n, instruction in enumerate(instructions):
+            if instruction.offset >= lasti:
+                break
+            if instruction.opname.startswith("SETUP_"):
+                blocks.append((n, instruction.opname))
+            elif instruction.opname == "POP_BLOCK" and blocks:
+                blocks.pop()
+        if not blocks:
+            return None
+        n, opname = blocks[-1]
+        if opname != "SETUP_FINALLY":
+            return n + 1, True
+        return _from(instructions, instructions[n].argval), False
+    covering = [e for e in entries if e.start <= lasti < e.end]
     if not covering:
         return None
-    instructions = _instructions(frame.f_code)
-    i = _at(instructions, covering[0].target)
-    if i < 0 or instructions[i].opname != "PUSH_EXC_INFO":
-        return dict(_IMPORT_ERROR)  # a cleanup (``finally``) or a shape not known here
+    i = _from(instructions, covering[0].target)
+    if instructions[i].opname != "PUSH_EXC_INFO":
+        return i, False  # a cleanup: read as a shape not known here
     if instructions[i + 1].opname == "WITH_EXCEPT_START":
-        return _context_manager_guard(frame, instructions, _at(instructions, covering[0].start))
-    return _except_clauses(instructions, i + 1, frame)
+        return _from(instructions, covering[0].start), True
+    return i + 1, False
 
 
 def _except_clauses(instructions: list, i: int, frame) -> dict:
     """``except A:``, ``except (A, mod.B):``, several clauses (each a test that jumps to the
     next), a bare ``except:`` (no test: it swallows everything)."""
-    by_offset = {instruction.offset: n for n, instruction in enumerate(instructions)}
     names: list[str] = []
     while i < len(instructions):
         loaded: list = []
-        j = i
+        j = i + (instructions[i].opname == "DUP_TOP")  # 3.10 tests a copy of the exception
         while instructions[j].opname in ("LOAD_NAME", "LOAD_GLOBAL", "LOAD_ATTR", "BUILD_TUPLE"):
             instruction = instructions[j]
             if instruction.opname == "LOAD_ATTR":
@@ -118,15 +148,21 @@ def _except_clauses(instructions: list, i: int, frame) -> dict:
             elif instruction.opname != "BUILD_TUPLE":
                 loaded.append(_lookup(frame, instruction.argval))
             j += 1
-        if instructions[j].opname == "RERAISE":
+        test = instructions[j]
+        if test.opname == "RERAISE":
             break  # no clause matched: the error goes on
-        if instructions[j].opname != "CHECK_EXC_MATCH":
+        if test.opname == "JUMP_IF_NOT_EXC_MATCH":  # 3.10: the test jumps itself
+            jump = test
+        elif test.opname == "CHECK_EXC_MATCH":
+            jump = instructions[j + 1]
+        elif not loaded and test.opname == "POP_TOP":
             return {"swallows": ["builtins.BaseException"]}  # a bare ``except:``
+        else:
+            return dict(_IMPORT_ERROR)  # a ``finally`` or a shape not known here
         names.extend(_name_of(t) for t in loaded if isinstance(t, type))
-        jump = instructions[j + 1]
-        if "JUMP" not in jump.opname or jump.argval not in by_offset:
+        if "JUMP" not in jump.opname or _from(instructions, jump.argval) < 0:
             break
-        i = by_offset[jump.argval]
+        i = _from(instructions, jump.argval)
     return {"swallows": names or ["builtins.ImportError"]}
 
 
@@ -158,7 +194,7 @@ def _evaluate_with_expression(frame, instructions: list, body_start: int):
     """Evaluate names, attributes, constants and calls from the ``with`` line's first
     instruction up to its ``BEFORE_WITH``; None for anything else."""
     end = next((n for n in range(body_start, -1, -1)
-                if instructions[n].opname == "BEFORE_WITH"), -1)
+                if instructions[n].opname in ("BEFORE_WITH", "SETUP_WITH")), -1)
     begin = next((n for n in range(end, -1, -1) if instructions[n].starts_line), -1)
     if end < 0 or begin < 0:
         return None
@@ -175,7 +211,7 @@ def _evaluate_with_expression(frame, instructions: list, body_start: int):
                 stack[-1] = getattr(stack[-1], arg)
             elif opname == "LOAD_CONST":
                 stack.append(arg)
-            elif opname == "CALL":
+            elif opname in ("CALL", "CALL_FUNCTION", "CALL_METHOD"):
                 args = [stack.pop() for _ in range(instruction.arg)][::-1]
                 func = stack.pop()
                 while func is _NULL:

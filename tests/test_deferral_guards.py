@@ -229,6 +229,8 @@ def test_a_deferred_namespace_package_and_an_empty_all_replay_as_fresh(tmp_path,
         assert "fakens" in launcher.zygote_for(env).status["preload"]["deferred"]
         ours, fresh = run_both(launcher, code, env, tmp_path)
         assert ours.via == "zygote"
-        assert ours.stdout == fresh.stdout == "['base', 'geo'] False None NamespaceLoader\n"
+        assert ours.stdout == fresh.stdout
+        assert ours.stdout.startswith("['base', 'geo'] False None ")
+        assert ours.stdout.endswith("NamespaceLoader\n")  # _NamespaceLoader on 3.10
     finally:
         launcher.close()

@@ -142,12 +142,12 @@ def learned_modules(launcher):
 
 
 def test_learning_skips_what_the_zygote_cannot_import(site, tmp_path):
-    """Never learned: a namespace folder of the step's cwd (``scripts``), nor a module found
-    only through a folder a library put on sys.path at run time (``onnx_model``)."""
+    """Never learned: a namespace folder of the step's cwd (an example's ``scripts``), nor a
+    module found only through a folder a library put on sys.path at run time (``onnx_model``)."""
     root, env = site
     project = tmp_path / "project"
-    write(project, {"scripts/tool.py": "X = 1\n"})
-    code = "import scripts.tool, fakeort, onnx_model, helperlib"
+    write(project, {"example_scripts/tool.py": "X = 1\n"})  # an example's ``scripts`` folder
+    code = "import example_scripts.tool, fakeort, onnx_model, helperlib"
     first = Launcher(["json"], project=str(project))
     try:
         result = first.run([PY, "-c", code], env=env, cwd=str(project))
@@ -159,20 +159,21 @@ def test_learning_skips_what_the_zygote_cannot_import(site, tmp_path):
         second.zygote_for(env)
         learned = learned_modules(second)
         assert {"fakeort", "helperlib"} <= learned
-        assert not learned & {"scripts", "scripts.tool", "onnx_model"}
+        assert not learned & {"example_scripts", "example_scripts.tool", "onnx_model"}
         profile = second.zygotes[0].status["preload"]["learned"]["profile"]
     finally:
         second.close()
     # What an older profile learned that the zygote cannot import is dropped at its next start.
     with open(profile) as f:
         data = json.load(f)
-    data["modules"]["scripts"] = {"count": 3, "seconds": None}
+    data["modules"]["example_scripts"] = {"count": 3, "seconds": None}
     with open(profile, "w") as f:
         json.dump(data, f)
     third = Launcher(["json"], project=str(project))
     try:
         assert third.zygote_for(env).status["preload"]["learned"]["failed"] == 1
-        assert "scripts" not in learned_modules(third) and "fakeort" in learned_modules(third)
+        assert "example_scripts" not in learned_modules(third)
+        assert "fakeort" in learned_modules(third)
     finally:
         third.close()
 
