@@ -180,8 +180,12 @@ def _guarded_import(cut: CutImport) -> bool:
             manager = _resolve(f"{module}.{qualname}")(*guard["args"], **guard["kwargs"])
         except Exception:
             manager = contextlib.suppress(ImportError)
-        with manager:
-            importlib.import_module(cut.module)
+        filename, line = guard.get("at") or ("<replay>", 1)
+        # Run from the importer's file and line: what the guard prints names them, as fresh.
+        code = compile("\n" * (line - 1) + "with manager:\n    import_module(name)\n", filename,
+                       "exec")
+        exec(code, {"manager": manager, "import_module": importlib.import_module,
+                    "name": cut.module})
         return cut.module in sys.modules
     try:
         importlib.import_module(cut.module)

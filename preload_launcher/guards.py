@@ -177,30 +177,36 @@ def _context_manager_guard(frame, instructions: list, body_start: int) -> dict:
     """The ``with`` statement's context manager, made again from the expression before its
     ``BEFORE_WITH`` (a plain call such as ``suppress(ImportError)`` or ``import_plugin("x")``):
     a live frame's value stack cannot be read from Python."""
-    manager = _evaluate_with_expression(frame, instructions, body_start)
+    begin, end = _with_expression(instructions, body_start)
+    manager = _evaluate(frame, instructions[begin:end]) if begin >= 0 else None
     if hasattr(manager, "_exceptions"):  # contextlib.suppress
         return {"swallows": [_name_of(t) for t in manager._exceptions]}
     func = getattr(manager, "func", None)
     if func is not None and hasattr(manager, "args"):  # contextlib.contextmanager
+        first = instructions[begin]
+        # Where the ``with`` stands: the guard runs again from there (its warnings name it).
+        line = getattr(first, "line_number", None) or first.starts_line
         return {"cm": [func.__module__, func.__qualname__], "args": list(manager.args),
-                "kwargs": dict(manager.kwds)}
+                "kwargs": dict(manager.kwds), "at": [frame.f_code.co_filename, line]}
     return dict(_IMPORT_ERROR)
 
 
 _NULL = object()
 
 
-def _evaluate_with_expression(frame, instructions: list, body_start: int):
-    """Evaluate names, attributes, constants and calls from the ``with`` line's first
-    instruction up to its ``BEFORE_WITH``; None for anything else."""
+def _with_expression(instructions: list, body_start: int) -> tuple[int, int]:
+    """The ``with`` line's first instruction and its ``BEFORE_WITH`` (-1, -1 when not found)."""
     end = next((n for n in range(body_start, -1, -1)
                 if instructions[n].opname in ("BEFORE_WITH", "SETUP_WITH")), -1)
     begin = next((n for n in range(end, -1, -1) if instructions[n].starts_line), -1)
-    if end < 0 or begin < 0:
-        return None
+    return (begin, end) if end >= 0 and begin >= 0 else (-1, -1)
+
+
+def _evaluate(frame, instructions: list):
+    """Evaluate names, attributes, constants and calls; None for anything else."""
     stack: list = []
     try:
-        for instruction in instructions[begin:end]:
+        for instruction in instructions:
             opname, arg = instruction.opname, instruction.argval
             if opname == "PUSH_NULL" or (opname == "LOAD_GLOBAL" and
                                          (instruction.argrepr or "").startswith("NULL")):

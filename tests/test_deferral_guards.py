@@ -36,9 +36,10 @@ class X_{m}:
 RAISES = PLUGIN + "raise RuntimeError('{m}: no geo today')\n"
 
 # modelopt's shape of import_plugin (modelopt/torch/utils/import_utils.py): a contextmanager
-# that swallows ModuleNotFoundError quietly and any other Exception with a warning.
+# that swallows ModuleNotFoundError quietly and any other Exception with a warning that names
+# the ``with`` statement's file and line.
 IMPORT_PLUGIN = """
-import contextlib
+import contextlib, sys
 
 @contextlib.contextmanager
 def import_plugin(name):
@@ -47,7 +48,9 @@ def import_plugin(name):
     except ModuleNotFoundError:
         pass
     except Exception as e:
-        print(f'plugin {name} failed: {e!r}')
+        caller = sys._getframe(2)
+        where = f'{caller.f_code.co_filename}:{caller.f_lineno}'
+        print(f'plugin {name} failed: {e!r} at {where}')
 """
 
 
@@ -149,6 +152,7 @@ def test_every_guard_form_replays_as_a_fresh_interpreter_imports(site, mode):
         assert ours.returncode == fresh.returncode == 0, ours.stdout
         assert ours.stdout == fresh.stdout
         assert "plugin p_raises_plugin failed: RuntimeError" in ours.stdout
+        assert "fakeopt/plugins/__init__.py:" in ours.stdout
         assert "'p_star_try'" in ours.stdout and "X_p_star_plugin" in ours.stdout
     finally:
         launcher.close()
