@@ -159,13 +159,12 @@ def _resolve(path: str):
 
 
 def _swallowed(cut: CutImport, exc: BaseException) -> bool:
-    names = (cut.guard or {}).get("swallows", ["builtins.ImportError"])
-    for name in names:
-        module, _, qualname = name.rpartition(".")
+    """Does the cut import's guard swallow ``exc``? (ImportError where it could not be read.)"""
+    for name in (cut.guard or {}).get("swallows", ["builtins.ImportError"]):
         try:
-            cls = _resolve(name) if module in sys.modules else None
+            cls = _resolve(name)
         except AttributeError:
-            cls = None
+            continue
         if isinstance(cls, type) and isinstance(exc, cls):
             return True
     return False
