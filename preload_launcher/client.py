@@ -44,11 +44,12 @@ OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
 COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 
 # The zygote's command line: ``python -u -c BOOTSTRAP PKG_PARENT CONFIG_JSON``. sys.path keeps
-# what a fresh interpreter has (minus sys.path[0]), whether or not the package is installed.
+# what a fresh interpreter has (minus sys.path[0]), whether or not the package is installed;
+# ``startup`` is what python imported before any code ran (shadowing).
 BOOTSTRAP = (
-    "import sys; base = sys.path[1:]; sys.path.insert(0, sys.argv[1]); "
-    "from preload_launcher import zygote; sys.path[:] = base; "
-    "zygote.main(sys.argv[2], base)"
+    "import sys; startup = frozenset(sys.modules); base = sys.path[1:]; "
+    "sys.path.insert(0, sys.argv[1]); from preload_launcher import shadowing, zygote; "
+    "sys.path[:] = base; shadowing.startup_modules = startup; zygote.main(sys.argv[2], base)"
 )
 
 
