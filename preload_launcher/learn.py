@@ -5,6 +5,7 @@ installed packages change:
 
     <cache>/learned/<key>.json      {"modules": {name: {"count", "seconds"}}, "pinned", "forgotten"}
     <cache>/learned/<key>.d/*.json  one report per finished step, merged at the next zygote start
+    <cache>/learned/<key>.json.lock  held while a process writes its edits into the profile
 
 Children only list names (a set difference on ``sys.modules`` at exit: nothing a step can see
 is hooked); the zygote measures what each costs when it preloads it. Modules from the project's
@@ -13,13 +14,14 @@ own tree are never learned (they change between runs), nor anything the zygote r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
-from .files import read_json, unlink_all, write_json
+from .files import read_json, unlink_all, update_json, write_json
 
 __all__ = ["Profile", "profile_key", "report_step_imports"]
 
@@ -32,15 +34,20 @@ def profile_key(project: str) -> str:
 
 
 class Profile:
+    """One profile, edited by several processes (zygotes of different preload sets, daemons,
+    the CLI): each keeps its own edits and ``save`` replays them on the file's latest contents
+    under a lock, so no process's save undoes another's (``learned --forget`` with a daemon
+    up, two daemons learning different modules)."""
+
     def __init__(self, cache_dir: str, key: str, project: str) -> None:
         self.dir = os.path.join(cache_dir, "learned")
         self.path = os.path.join(self.dir, f"{key}.json")
         self.reports_dir = os.path.join(self.dir, f"{key}.d")
         self.project = project
-        self.data = self._load()
+        self.data = self._complete(read_json(self.path) or {})
+        self._edits: list[Callable[[dict], None]] = []  # not saved yet
 
-    def _load(self) -> dict:
-        data = read_json(self.path) or {}
+    def _complete(self, data: dict) -> dict:
         data.setdefault("modules", {})
         data.setdefault("pinned", [])
         data.setdefault("forgotten", [])
@@ -48,43 +55,58 @@ class Profile:
         data.setdefault("fingerprint", "")
         return data
 
+    def _edit(self, change: Callable[[dict], None]) -> None:
+        change(self.data)
+        self._edits.append(change)
+
+    def save(self) -> bool:
+        """Write this process's edits into the file as it is now; afterwards ``data`` is what
+        was written (others' edits included). False when the cache cannot be written."""
+        def replay(data: dict) -> None:
+            self._complete(data)
+            for change in self._edits:
+                change(data)
+            _keep_most_seen(data)
+
+        written = update_json(self.path, replay)
+        if written is None:
+            return False
+        self.data = written
+        self._edits.clear()
+        return True
+
     def check_packages(self, fingerprint: str) -> bool:
         """Drop what was learned under other package versions; True if it was dropped."""
         stale = bool(self.data["fingerprint"]) and self.data["fingerprint"] != fingerprint
-        if stale:
-            self.data["modules"] = {}
-        self.data["fingerprint"] = fingerprint
-        return stale
 
-    def save(self) -> None:
-        write_json(self.path, self.data)
+        def change(data: dict) -> None:
+            if data["fingerprint"] and data["fingerprint"] != fingerprint:
+                data["modules"] = {}
+            data["fingerprint"] = fingerprint
+
+        self._edit(change)
+        return stale
 
     def merge_reports(self) -> int:
         """Fold the steps' reports into the profile; returns how many were read."""
         try:
             names = os.listdir(self.reports_dir)
-        except FileNotFoundError:
+        except OSError:
             return 0
         merged = 0
-        forgotten = set(self.data["forgotten"])
-        modules = self.data["modules"]
         for name in names:
             if not name.endswith(".json"):
                 continue  # a report still being written
             path = os.path.join(self.reports_dir, name)
             report = read_json(path)
-            unlink_all(path)
+            try:
+                unlink_all(path)
+            except OSError:
+                continue  # a read-only cache: the report would be counted again and again
             if report is None:
                 continue
             merged += 1
-            for module in report.get("modules", []):
-                if module in forgotten:
-                    continue
-                entry = modules.setdefault(module, {"count": 0, "seconds": None})
-                entry["count"] += 1
-        if len(modules) > MAX_LEARNED:
-            keep = sorted(modules, key=lambda m: -modules[m]["count"])[:MAX_LEARNED]
-            self.data["modules"] = {m: modules[m] for m in keep}
+            self._edit(functools.partial(_count, list(report.get("modules", []))))
         return merged
 
     def to_preload(self, exclude: set[str]) -> list[str]:
@@ -102,28 +124,59 @@ class Profile:
 
     def adopt(self, modules: list[str]) -> None:
         """Take modules another machine learned (a portable profile) as if seen once here."""
-        forgotten = set(self.data["forgotten"])
-        for module in modules:
-            if module not in forgotten:
-                self.data["modules"].setdefault(module, {"count": 1, "seconds": None})
+        def change(data: dict) -> None:
+            forgotten = set(data["forgotten"])
+            for module in modules:
+                if module not in forgotten:
+                    data["modules"].setdefault(module, {"count": 1, "seconds": None})
+
+        self._edit(change)
 
     def record_cost(self, module: str, seconds: float) -> None:
-        entry = self.data["modules"].get(module)
-        if entry is not None:
-            entry["seconds"] = round(seconds, 4)
+        def change(data: dict) -> None:
+            entry = data["modules"].get(module)
+            if entry is not None:
+                entry["seconds"] = round(seconds, 4)
+
+        self._edit(change)
 
     def pin(self, module: str) -> None:
-        if module not in self.data["pinned"]:
-            self.data["pinned"].append(module)
-        if module in self.data["forgotten"]:
-            self.data["forgotten"].remove(module)
+        def change(data: dict) -> None:
+            if module not in data["pinned"]:
+                data["pinned"].append(module)
+            if module in data["forgotten"]:
+                data["forgotten"].remove(module)
+
+        self._edit(change)
 
     def forget(self, module: str) -> None:
-        self.data["modules"].pop(module, None)
-        if module in self.data["pinned"]:
-            self.data["pinned"].remove(module)
-        if module not in self.data["forgotten"]:
-            self.data["forgotten"].append(module)
+        def change(data: dict) -> None:
+            data["modules"].pop(module, None)
+            if module in data["pinned"]:
+                data["pinned"].remove(module)
+            if module not in data["forgotten"]:
+                data["forgotten"].append(module)
+
+        self._edit(change)
+
+    def clear(self) -> None:
+        self._edit(lambda data: data.__setitem__("modules", {}))
+
+
+def _count(modules: list[str], data: dict) -> None:
+    """One step's report: each module it imported seen once more (unless forgotten)."""
+    forgotten = set(data["forgotten"])
+    for module in modules:
+        if module not in forgotten:
+            entry = data["modules"].setdefault(module, {"count": 0, "seconds": None})
+            entry["count"] += 1
+
+
+def _keep_most_seen(data: dict) -> None:
+    modules = data["modules"]
+    if len(modules) > MAX_LEARNED:
+        keep = sorted(modules, key=lambda m: -modules[m]["count"])[:MAX_LEARNED]
+        data["modules"] = {m: modules[m] for m in keep}
 
 
 def _from_project(module, roots: tuple[str, ...]) -> bool:

@@ -544,6 +544,8 @@ class Preloader:
         """Import the learned modules this process lacks while ``keep_going()`` and the budget
         (for the zygote's whole life) allow; raises ``Quarantined`` for a dirty one. The profile
         is saved when ``changed`` or when something was imported."""
+        if changed:  # not rewritten after every step for nothing
+            self.profile.save()  # which also takes in what others wrote (`learned --forget`)
         modules = [m for m in self.profile.to_preload(exclude=set(self.config.modules))
                    if top_level(m) not in self.refused | self.blocker.packages]
         budget = self.config.learn_budget_s - self.learn_spent_s
@@ -552,7 +554,7 @@ class Preloader:
         summary["imported"] = len(summary["costs"])
         for module, seconds in summary.pop("costs").items():
             self.profile.record_cost(module, seconds)
-        if changed or summary["imported"]:  # not rewritten after every step for nothing
+        if summary["imported"]:
             self.profile.save()
         if dirty is not None:
             self.quarantine(dirty, LEARNED + top_level(dirty.module))
