@@ -3,27 +3,31 @@
 A profile is kept per (interpreter, project) in the cache directory, and emptied when the
 installed packages change:
 
-    <cache>/learned/<key>.json      {"modules": {name: {"count", "seconds"}}, "pinned", "forgotten"}
+    <cache>/learned/<key>.json      {"modules": {name: {"count", "seconds"}}, "pinned", "forgotten",
+                                     "unlearnable": {name: what its import warned or printed}}
     <cache>/learned/<key>.d/*.json  one report per finished step, merged at the next zygote start
     <cache>/learned/<key>.json.lock  held while a process writes its edits into the profile
 
 Children only list names (a set difference on ``sys.modules`` at exit: nothing a step can see
 is hooked); the zygote measures what each costs when it preloads it. Modules from the project's
-own tree are never learned (they change between runs), nor anything the zygote refused before.
+own tree are never learned (they change between runs), nor anything the zygote refused before,
+nor modules whose import warns or prints (a step must see that itself: ``ImportEffects``).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import os
 import sys
 import time
+import warnings
 from typing import Callable, Optional
 
 from .files import read_json, unlink_all, update_json, write_json
 
-__all__ = ["Profile", "profile_key", "report_step_imports"]
+__all__ = ["Profile", "profile_key", "report_step_imports", "ImportEffects", "undo_import"]
 
 MAX_LEARNED = 5000  # most frequently seen modules kept; the rest are dropped
 
@@ -51,6 +55,7 @@ class Profile:
         data.setdefault("modules", {})
         data.setdefault("pinned", [])
         data.setdefault("forgotten", [])
+        data.setdefault("unlearnable", {})  # module -> what its import warned or printed
         data.setdefault("project", self.project)
         data.setdefault("fingerprint", "")
         return data
@@ -111,7 +116,7 @@ class Profile:
 
     def to_preload(self, exclude: set[str]) -> list[str]:
         """Pinned first, then learned modules in the order steps first imported them."""
-        forgotten = set(self.data["forgotten"])
+        forgotten = set(self.data["forgotten"]) | set(self.data["unlearnable"])
         ordered = list(self.data["pinned"]) + list(self.data["modules"])
         seen: set[str] = set()
         out = []
@@ -162,10 +167,19 @@ class Profile:
     def clear(self) -> None:
         self._edit(lambda data: data.__setitem__("modules", {}))
 
+    def refuse(self, module: str, why: str) -> None:
+        """Never preload ``module`` again: its import has an effect a step must see itself
+        (a warning, output), which a preloaded import would have spent in the zygote."""
+        def change(data: dict) -> None:
+            data["modules"].pop(module, None)
+            data["unlearnable"][module] = why
+
+        self._edit(change)
+
 
 def _count(modules: list[str], data: dict) -> None:
     """One step's report: each module it imported seen once more (unless forgotten)."""
-    forgotten = set(data["forgotten"])
+    forgotten = set(data["forgotten"]) | set(data["unlearnable"])
     for module in modules:
         if module not in forgotten:
             entry = data["modules"].setdefault(module, {"count": 0, "seconds": None})
@@ -177,6 +191,45 @@ def _keep_most_seen(data: dict) -> None:
     if len(modules) > MAX_LEARNED:
         keep = sorted(modules, key=lambda m: -modules[m]["count"])[:MAX_LEARNED]
         data["modules"] = {m: modules[m] for m in keep}
+
+
+class ImportEffects:
+    """What an import did that a step would see: warnings of any category (whatever the
+    filters: a step may run with ``-W error``), and writes to ``sys.stdout``/``sys.stderr``.
+    A learned module whose import does either must stay the step's own import."""
+
+    def __enter__(self) -> "ImportEffects":
+        self._catcher = warnings.catch_warnings(record=True)
+        self.warned = self._catcher.__enter__()
+        warnings.simplefilter("always")
+        self.output = io.StringIO()
+        self._streams = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = self.output
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.stdout, sys.stderr = self._streams
+        self._catcher.__exit__(*exc)
+
+    def describe(self) -> str:
+        """'' when the import was silent; else what it did, in a few words."""
+        if self.warned:
+            first = self.warned[0]
+            return f"warned at import: {first.category.__name__}: {first.message}"[:200]
+        text = self.output.getvalue()
+        return f"printed at import: {text.strip()[:120]!r}" if text else ""
+
+
+def undo_import(before: set[str]) -> list[str]:
+    """Take the modules imported since ``before`` out of ``sys.modules`` (and off their
+    parent packages), so that a step imports them itself, as a fresh interpreter would."""
+    added = [name for name in list(sys.modules) if name not in before]
+    for name in added:
+        module = sys.modules.pop(name, None)
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules and getattr(sys.modules[parent], child, None) is module:
+            delattr(sys.modules[parent], child)
+    return added
 
 
 def _from_project(module, roots: tuple[str, ...]) -> bool:

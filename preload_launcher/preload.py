@@ -299,7 +299,7 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
     Returns a summary (with each module's cost) and, when one made the process unfit to fork,
     its report."""
     summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
-               "costs": {}}
+               "costs": {}, "unlearnable": {}}
     start = time.perf_counter()
     dirty = None
     with cuda_safe_imports():
@@ -313,7 +313,13 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
             if not keep_going():
                 summary["interrupted"] = True
                 break
-            entry = import_entry(module, probe)
+            before = set(sys.modules)
+            with learn.ImportEffects() as effects:
+                entry = import_entry(module, probe)
+            if effects.describe():  # the step's own import must warn or print, not ours
+                learn.undo_import(before)
+                summary["unlearnable"][module] = effects.describe()
+                continue
             summary["loaded" if entry.ok else "failed"] += 1
             summary["costs"][module] = entry.seconds
             if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
@@ -554,7 +560,10 @@ class Preloader:
         summary["imported"] = len(summary["costs"])
         for module, seconds in summary.pop("costs").items():
             self.profile.record_cost(module, seconds)
-        if summary["imported"]:
+        for module, why in summary["unlearnable"].items():
+            self.log("not learning %s: it %s", module, why)
+            self.profile.refuse(module, why)
+        if summary["imported"] or summary["unlearnable"]:
             self.profile.save()
         if dirty is not None:
             self.quarantine(dirty, LEARNED + top_level(dirty.module))
