@@ -16,14 +16,16 @@ def learn_site(tmp_path):
     log = tmp_path / "imports.log"
     for name in ("slow_a", "slow_b"):
         (site / f"{name}.py").write_text(
-            f"import time\nopen({str(log)!r}, 'a').write('{name}\\n')\ntime.sleep(0.5)\n")
+            f"import time\nwith open({str(log)!r}, 'a') as f: f.write('{name}\\n')\n"
+            "time.sleep(0.5)\n")  # (closed: an unclosed file warns, and is never learned)
     (site / "dirty_learned.py").write_text(
-        f"open({str(log)!r}, 'a').write('dirty_learned\\n')\n"
+        f"with open({str(log)!r}, 'a') as f: f.write('dirty_learned\\n')\n"
         "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n")
     package = site / "dirtypkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "clean.py").write_text(f"open({str(log)!r}, 'a').write('dirtypkg.clean\\n')\n")
+    (package / "clean.py").write_text(
+        f"with open({str(log)!r}, 'a') as f: f.write('dirtypkg.clean\\n')\n")
     (package / "dirty.py").write_text(
         "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n")
     dist = site / "learnpkg-1.0.dist-info"
