@@ -53,6 +53,13 @@ def checkpoint_key(label: str, fromlist) -> str:
     return f"{label}:{','.join(fromlist)}" if fromlist else label
 
 
+def _modules_of(key: str) -> list[str]:
+    """The modules an import statement's checkpoint key names (``pkg:a,b``: pkg, pkg.a, pkg.b;
+    a name that is an attribute, not a module, is harmless here)."""
+    label, _, names = key.partition(":")
+    return [label] + [f"{label}.{name}" for name in names.split(",") if name and name != "*"]
+
+
 def new_code(label: str, fromlist) -> bool:
     """Would ``__import__(label, fromlist=...)`` run module code not run before?"""
     module = sys.modules.get(label)
@@ -84,6 +91,7 @@ class ScoutStream:
     def __init__(self, module: str, pid: int, fd: int) -> None:
         self.module, self.pid, self.fd = module, pid, fd
         self.seen: dict[str, int] = {}  # "s key"/"e key" -> order of its first report
+        self.ended: set[str] = set()  # modules whose import the scout finished cleanly
         self.count = 0
         self.report: Optional[dict] = None  # the EntryReport, as sent
         self.verdict: Optional[dict] = None  # set when it died without a report
@@ -118,6 +126,8 @@ class ScoutStream:
             else:
                 self.seen.setdefault(line.decode(), self.count)
                 self.count += 1
+                if kind == "e":
+                    self.ended.update(_modules_of(rest))
 
     def end(self, killed: bool) -> None:
         """Reap the scout; one that died without a report, not killed by us, crashed."""
@@ -186,12 +196,15 @@ class Follower:
     def checkpoint(self, kind: str, key: str, hook) -> None:
         if self.settled:
             return
-        label = key.split(":")[0]
-        top = label.partition(".")[0]
+        modules = _modules_of(key)
+        top = modules[0].partition(".")[0]
         if kind == "s" and top != self.entry_package and top not in sys.modules:
-            ready = lambda: self.stream.passed(f"e {key}", beyond=False)  # noqa: E731
+            ready = lambda: self.stream.ended.issuperset(modules)  # noqa: E731
+        elif kind == "s":  # (the scout may have reached the modules by another statement)
+            ready = lambda: (self.stream.passed(f"s {key}", beyond=True)  # noqa: E731
+                             or self.stream.ended.issuperset(modules))
         else:
-            ready = lambda: self.stream.passed(f"{kind} {key}", beyond=True)  # noqa: E731
+            ready = lambda: self.stream.passed(f"e {key}", beyond=True)  # noqa: E731
         self.scouts.drain()
         while not ready() and not self.stream.finished and self.stream.report is None:
             self.stream.read(TIMEOUT_S)
