@@ -25,25 +25,46 @@ def site(tmp_path):
     write_site(root, {
         # Crashes whoever imports it (SIGSEGV), as a broken extension's init does.
         "crashy.py": "import ctypes\nctypes.string_at(0)\n",
-        # An entry whose last module waits until the zygote has entered the entry: a scout
-        # that had to finish before the zygote starts would wait in vain.
-        "slowentry/__init__.py": "from . import first\nfrom . import last\n",
-        "slowentry/first.py": f"""
+        # Whether the zygote has entered an entry's first module: the zygote is a scout's
+        # parent, and logs its own pid; a scout logs the zygote's as its parent's.
+        "entered.py": f"""
+            import os
+            def zygote_entered():
+                lines = [l.split() for l in open({str(log)!r}).read().splitlines()]
+                return any(l[0] == 'first' and os.getppid() == int(l[1]) or
+                           l[0] == 'first' and os.getpid() == int(l[2]) for l in lines)
+        """,
+        "first.py": f"""
             import os
             with open({str(log)!r}, 'a') as f:
                 f.write(f"first {{os.getpid()}} {{os.getppid()}}\\n")
         """,
+        # An entry whose last module waits until the zygote has entered the entry: a scout
+        # that had to finish before the zygote starts would wait in vain.
+        "slowentry/__init__.py": "from . import first\nfrom . import last\n",
+        "slowentry/first.py": "import entered, first\n",
         "slowentry/last.py": f"""
-            import os, time
-            def zygote_entered():  # the zygote is the scout's parent; a scout is its child
-                lines = [l.split() for l in open({str(log)!r}).read().splitlines()]
-                return any(l[0] == 'first' and os.getppid() == int(l[1]) or
-                           l[0] == 'first' and os.getpid() == int(l[2]) for l in lines)
+            import time
+            from entered import zygote_entered
             deadline = time.monotonic() + 60
             while not zygote_entered() and time.monotonic() < deadline:
                 time.sleep(0.05)
             with open({str(log)!r}, 'a') as f:
                 f.write('last ' + ('waited' if zygote_entered() else 'gave up') + '\\n')
+        """,
+        # An entry that is its own culprit, found by its scout only once the zygote is in it.
+        "selfdirty/__init__.py": "from . import first\nfrom . import late\n",
+        "selfdirty/first.py": "import entered, first\n",
+        "selfdirty/late.py": f"""
+            import os, time
+            from entered import zygote_entered
+            from preload_launcher.cuda import fake_cuinit
+            deadline = time.monotonic() + 60
+            while not zygote_entered() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with open({str(log)!r}, 'a') as f:
+                f.write(f"late {{os.getpid()}} {{'waited' if zygote_entered() else 'gave up'}}\\n")
+            fake_cuinit()
         """,
     })
     env = dict(os.environ, PYTHONPATH=str(root), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"),
@@ -94,3 +115,19 @@ def test_an_entry_that_crashes_the_interpreter_is_quarantined_and_remembered(sit
     checked = doctor(env, "json,crashy")
     assert checked.returncode == 1 and "SIGSEGV" in checked.stdout, checked.stdout
     assert not [n for n in os.listdir(env["PRELOAD_LAUNCHER_CACHE_DIR"]) if n.startswith("importing-")]
+
+
+def test_an_entry_found_dirty_while_the_zygote_is_in_it_costs_one_restart(site):
+    env, log = site
+    env["PRELOAD_LAUNCHER_PROBE"] = "fake"
+    launcher, report = start(["json", "selfdirty"], env)
+    try:
+        zygote = launcher.zygotes[0]
+        assert report["loaded"] == ["json"] and "selfdirty" in report["quarantined"]
+        assert report["quarantined"]["selfdirty"]["culprit"].startswith("selfdirty")
+        assert not zygote.request("status")["driver_initialized"]
+        lines = log.read_text().splitlines()
+        assert [l.split()[2] for l in lines if l.startswith("late")] == ["waited"], lines
+        assert launcher.run([PY, "-c", "print('ok')"], env=env).via == "zygote"
+    finally:
+        launcher.close()
