@@ -74,6 +74,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def start_session_launcher(config: pytest.Config, option: Optional[bool],
                            collect_only: bool) -> None:
+    try:
+        _start_session_launcher(config, option, collect_only)
+    except settings.SettingsError as err:  # a bad variable or ini value: pytest's usage error
+        raise pytest.UsageError(str(err)) from None
+
+
+def _start_session_launcher(config: pytest.Config, option: Optional[bool],
+                            collect_only: bool) -> None:
     enabled = resolve_enabled(config, option)
     if not enabled:
         os.environ["PRELOAD_LAUNCHER"] = "0"  # so preload_launcher.run() in tests agrees
