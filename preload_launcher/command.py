@@ -143,6 +143,22 @@ def _invoked_path(program: str, env: dict[str, str], cwd: str) -> str:
     return os.path.normpath(os.path.join(cwd, found)) if found else ""
 
 
+def launcher_interpreter(args: list[str], env: dict[str, str], cwd: str) -> str:
+    """The interpreter a launcher (``torchrun``, ``accelerate``, ``python -m …``) runs in, as
+    its own ``sys.executable`` reads: what it starts its programs with. A console script
+    names it on its ``#!`` line; behind a wrapper (a pyenv shim), the script of the same name
+    beside this interpreter does."""
+    if _looks_like_python(args[0]):
+        return _invoked_path(args[0], env, cwd) or sys.executable
+    found = args[0] if os.sep in args[0] else shutil.which(args[0], path=env.get("PATH", os.defpath))
+    for script in (os.path.join(cwd, found) if found else "",
+                   os.path.join(os.path.dirname(sys.executable), os.path.basename(args[0]))):
+        interpreter = _shebang_interpreter(script) if script else None
+        if interpreter and not interpreter.endswith("sh"):
+            return interpreter
+    return sys.executable
+
+
 def _looks_like_python(program: str) -> bool:
     name = os.path.basename(program)
     return (name in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
