@@ -247,6 +247,7 @@ class Agent:
         self.reports: dict[int, socket.socket] = {}  # pid -> where the rank reports its code
         self.readers: dict[int, protocol.EventReader] = {}  # pid -> that connection's reader
         self.failures: dict = {}  # local rank -> torch's ProcessFailure, in the order seen
+        self.store = None  # the rendezvous store the agent hosts
 
     def send_orders(self, addr: str, port: int) -> None:
         """Everything a rank needs: its env (torchrun's contract), cwd, argv, log files, stdio."""
@@ -321,9 +322,9 @@ class Agent:
     def start_ranks(self) -> None:
         """Host the store (its thread starts after every rank was forked), hand out orders."""
         addr, port = rendezvous.store_endpoint(self.config)
-        store = self.start_store(addr, port)
+        self.store = self.start_store(addr, port)  # served while the agent holds it
         self.start_tails()
-        self.send_orders(addr, store.port)
+        self.send_orders(addr, self.store.port)
         self.handles.clear()
 
     def wait_all(self) -> None:
