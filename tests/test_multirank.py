@@ -101,7 +101,7 @@ def test_sigkilled_rank_stops_its_sibling(torch_launcher, tmp_path):
     script.write_text(code)
     start = time.monotonic()
     got = torch_launcher.run([TORCHRUN, "--nproc_per_node=2", str(script)], timeout=60)
-    assert got.returncode == -9
+    assert got.returncode == 1  # torchrun's exit status; the rank's code is in its report
     assert "Signal 9 (SIGKILL) received by PID" in got.stdout
     assert time.monotonic() - start < 40
 
