@@ -120,17 +120,19 @@ def serve_launch(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args,
     except ValueError as exc:
         protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
         return 0
+    # torchrun's temporary log directory (error files, redirected output) goes with the
+    # launch, served or not; torchrun itself leaves it in the temporary directory.
+    temp_log_dir = config.logs_specs.root_log_dir if config is not None and not args.log_dir else ""
     try:
         return _serve_configured(spec, state, conn_fd, args, config, (cmd, cmd_args), warm_ranks,
-                                 recorded)
+                                 recorded, temp_log_dir)
     finally:
-        if config is not None and not args.log_dir:
-            # torchrun's temporary log directory (error files, redirected output) goes with
-            # the launch; torchrun itself leaves it in the temporary directory.
-            shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)
+        if temp_log_dir:
+            shutil.rmtree(temp_log_dir, ignore_errors=True)
 
 
-def _serve_configured(spec, state, conn_fd, args, config, command, warm_ranks, recorded) -> int:
+def _serve_configured(spec, state, conn_fd, args, config, command, warm_ranks, recorded,
+                      temp_log_dir) -> int:
     cmd, cmd_args = command
     reason = "nproc_per_node=gpu without NVML" if config is None else unsupported_reason(args, config)
     wanted = Settings.from_env()
@@ -160,7 +162,7 @@ def _serve_configured(spec, state, conn_fd, args, config, command, warm_ranks, r
     if len(warm_ranks) != config.nproc_per_node:
         release_ranks(warm_ranks)
         warm_ranks.clear()
-    agent = Agent(spec, state, config, target, warm_ranks)
+    agent = Agent(spec, state, config, target, warm_ranks, temp_log_dir)
     if not recorded:  # the caller's launcher reads what torchrun's run() raises
         try:
             agent.launch()
@@ -230,8 +232,9 @@ def wait_as_rank(rank: int, sock: socket.socket, state: runtime.ZygoteState,
 
 class Agent:
     def __init__(self, spec: StepSpec, state: runtime.ZygoteState, config, target: PythonTarget,
-                 warm_ranks: Optional[dict[int, RankHandle]] = None):
+                 warm_ranks: Optional[dict[int, RankHandle]] = None, temp_log_dir: str = ""):
         self.spec = spec
+        self.temp_log_dir = temp_log_dir  # removed before the exit report: nothing left after
         self.state = state
         self.config = config
         self.target = target
@@ -400,6 +403,8 @@ class Agent:
         """Report the step's exit code (None: the caller will), then wait for the ranks'
         processes to be gone: their CUDA teardown is off the caller's path, and no rank
         outlives its agent."""
+        if self.temp_log_dir:
+            shutil.rmtree(self.temp_log_dir, ignore_errors=True)
         if code is not None:
             runtime.flush_std_streams()
             runtime.report_exit(code)
