@@ -335,7 +335,8 @@ def test_a_launch_leaves_no_temporary_folder(torch_launcher, tmp_path):
 # A program forked for a stand-in: its parent handles SIGTERM and finds its child alive;
 # a background child it started outlives it, as with plain python.
 GROUPS_SCRIPT = textwrap.dedent("""\
-    python -c "import subprocess, sys; print(subprocess.Popen(['sleep', '31.5']).pid)" > bg.txt
+    python -c "import subprocess, sys; print(subprocess.Popen(['sleep', '31.5']).pid)
+    with open('marks', 'a') as f: f.write(f'bg {\\"torch\\" in sys.modules}\\n')" > bg.txt
     sleep 0.2
     if kill -0 $(cat bg.txt) 2>/dev/null; then echo "background child lives on"; kill $(cat bg.txt); fi
     python parent.py > parent.txt &
@@ -345,6 +346,8 @@ GROUPS_SCRIPT = textwrap.dedent("""\
     """)
 PARENT = textwrap.dedent("""\
     import os, signal, subprocess, sys, time
+    with open("marks", "a") as f:
+        f.write(f"parent {'torch' in sys.modules}\\n")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     def stop(*_):
         print("child alive at SIGTERM:", child.poll() is None, flush=True)
@@ -366,3 +369,5 @@ def test_a_stand_ins_program_owns_what_the_real_one_would(torch_launcher, tmp_pa
     assert ref.stdout.splitlines() == ["background child lives on", "parent exit 4", "ready",
                                        "child alive at SIGTERM: True"]
     assert got.stdout.splitlines() == ref.stdout.splitlines()
+    assert (tmp_path / "marks").read_text().split() == ["bg", "False", "parent", "False",
+                                                        "bg", "True", "parent", "True"]
