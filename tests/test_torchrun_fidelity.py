@@ -335,28 +335,39 @@ def test_a_launch_leaves_no_temporary_folder(torch_launcher, tmp_path):
 # A program forked for a stand-in: its parent handles SIGTERM and finds its child alive;
 # a background child it started outlives it, as with plain python.
 GROUPS_SCRIPT = textwrap.dedent("""\
+    rm -f child.txt
     python -c "import subprocess, sys; print(subprocess.Popen(['sleep', '31.5']).pid)
     with open('marks', 'a') as f: f.write(f'bg {\\"torch\\" in sys.modules}\\n')" > bg.txt
-    sleep 0.2
+    for i in $(seq 30); do kill -0 $(cat bg.txt) 2>/dev/null || break; sleep 0.1; done
     if kill -0 $(cat bg.txt) 2>/dev/null; then echo "background child lives on"; kill $(cat bg.txt); fi
     python parent.py > parent.txt &
     pid=$!
     for i in $(seq 600); do grep -q ready parent.txt 2>/dev/null && break; sleep 0.1; done
     kill -TERM $pid; wait $pid; echo "parent exit $?"; cat parent.txt
     """)
+CHILD = ("import signal, time\n"
+         "signal.signal(signal.SIGTERM, lambda *_: open('child.txt', 'w').write('got SIGTERM'))\n"
+         "open('child.txt', 'w').close()\n"
+         "time.sleep(60)\n")
 PARENT = textwrap.dedent("""\
     import os, signal, subprocess, sys, time
+    CHILD = %r
     with open("marks", "a") as f:
         f.write(f"parent {'torch' in sys.modules}\\n")
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", CHILD])
     def stop(*_):
-        print("child alive at SIGTERM:", child.poll() is None, flush=True)
+        time.sleep(0.5)  # time enough for the child to note a SIGTERM it got too
         child.kill()
+        child.wait()
+        with open("child.txt") as f:
+            print("child:", f.read().strip() or "not signalled", flush=True)
         sys.exit(4)
     signal.signal(signal.SIGTERM, stop)
+    while not os.path.exists("child.txt"):
+        time.sleep(0.02)
     print("ready", flush=True)
     time.sleep(60)
-    """)
+    """) % CHILD
 
 
 def test_a_stand_ins_program_owns_what_the_real_one_would(torch_launcher, tmp_path):
@@ -367,7 +378,7 @@ def test_a_stand_ins_program_owns_what_the_real_one_would(torch_launcher, tmp_pa
                              timeout=180)
     assert got.via == "subprocess" and "forked by the zygote" in got.reason
     assert ref.stdout.splitlines() == ["background child lives on", "parent exit 4", "ready",
-                                       "child alive at SIGTERM: True"]
+                                       "child: not signalled"]
     assert got.stdout.splitlines() == ref.stdout.splitlines()
     assert (tmp_path / "marks").read_text().split() == ["bg", "False", "parent", "False",
                                                         "bg", "True", "parent", "True"]
