@@ -150,7 +150,7 @@ def _serve_configured(spec, state, conn_fd, args, config, command, warm_ranks, r
         return 0
     if args.run_path:  # runpy.run_path(path): __file__ as given
         target = PythonTarget(kind="script", value=cmd_args[0], args=list(cmd_args[1:]),
-                              prog=sys.executable, executable=sys.executable)
+                              prog=sys.executable, executable=sys.executable, file_as_given=True)
     else:
         target = parse_python_argv([cmd, *cmd_args])
         if isinstance(target, Unsupported):

@@ -34,6 +34,7 @@ class PythonTarget:
     warnoptions: list[str] = field(default_factory=list)
     xoptions: list[str] = field(default_factory=list)
     executable: str = ""  # sys.executable as python computes it from argv[0] ("" = the zygote's)
+    file_as_given: bool = False  # __main__.__file__ as given (runpy.run_path: torchrun --run-path)
 
 
 @dataclass

@@ -382,3 +382,17 @@ def test_a_stand_ins_program_owns_what_the_real_one_would(torch_launcher, tmp_pa
     assert got.stdout.splitlines() == ref.stdout.splitlines()
     assert (tmp_path / "marks").read_text().split() == ["bg", "False", "parent", "False",
                                                         "bg", "True", "parent", "True"]
+
+
+def test_run_path_keeps_the_scripts_path_as_given(torch_launcher, tmp_path):
+    (tmp_path / "pkgx").mkdir()
+    (tmp_path / "pkgx" / "mod.py").write_text(
+        "import os, sys\nos.write(1, f'RANK{os.environ[\"RANK\"]} {__file__} {sys.argv}\\n'.encode())\n")
+    args = [TORCHRUN, "--nproc-per-node=2", "--run-path", "pkgx/mod.py", "x"]
+    ref, got, _ = run_both(torch_launcher, args, tmp_path)
+    assert got.via == "zygote", got.reason
+    assert ref.returncode == got.returncode == 0, (ref.stdout, got.stdout)
+    theirs = probe_lines(ref.stdout, False)
+    assert theirs == [f"RANK{r} pkgx/mod.py ['pkgx/mod.py', 'x']" for r in "01"]
+    assert probe_lines(got.stdout, False) == theirs
+
