@@ -60,7 +60,7 @@ def _fresh_main(target: PythonTarget) -> types.ModuleType:
     main.__dict__.update(__builtins__=__import__("builtins"), __annotations__={},
                          __spec__=None, __package__=None)
     if target.kind == "script":
-        path = os.path.abspath(target.value)
+        path = target.value if target.file_as_given else os.path.abspath(target.value)
         main.__file__ = path
         main.__cached__ = None
         main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)

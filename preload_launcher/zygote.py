@@ -23,6 +23,7 @@ from .files import read_json, remove_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
                       hint_holds)
 from .prewarm import WarmPool
+from .running import Step
 from .settings import (QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig,
                        import_env_mismatch)
 
@@ -36,15 +37,6 @@ def say(fmt: str, *args) -> None:
     inherit it, and a fresh interpreter has no handlers."""
     print(time.strftime("%H:%M:%S"), f"zygote[{os.getpid()}]", fmt % args, file=sys.stderr,
           flush=True)
-
-
-class Step:
-    """A running step as the zygote sees it: its process and its caller's connection."""
-
-    def __init__(self, pid: int, conn: socket.socket) -> None:
-        self.pid = pid
-        self.conn = conn
-        self.reader = protocol.EventReader()
 
 
 class Zygote:
@@ -346,7 +338,7 @@ class Zygote:
             pid = runtime.fork(lambda: step.become_step(spec, fds, conn.fileno(), state))
         runtime.close_fds(fds)
         self.served += 1
-        self.steps[pid] = Step(pid, conn)
+        self.steps[pid] = Step(pid, conn, standin=bool(spec.get("nested") or spec.get("spawned")))
         protocol.send_event(conn, "started", pid=pid)
         conn.setblocking(False)
         self.selector.register(conn, selectors.EVENT_READ, self.steps[pid])
@@ -393,7 +385,7 @@ class Zygote:
         differs = import_env_mismatch(self.report.import_env if self.report else {}, spec["env"])
         if differs:
             return f"its environment differs from the preload's in {', '.join(differs[:3])}"
-        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"]}
+        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"], "nested": True}
 
     def check_staleness(self) -> None:
         """A daemon whose preloaded code or packages changed restarts once idle."""
@@ -446,12 +438,12 @@ class Zygote:
         if messages is None:
             # The caller is gone (killed, timed out with os._exit) or talks nonsense: the
             # step goes too.
-            runtime.signal_group(running.pid, signal.SIGKILL)
+            running.signal(signal.SIGKILL)
             self.selector.unregister(running.conn)
             return
         for message in messages:
             if message.get("op") == "signal":
-                runtime.signal_group(running.pid, int(message["signum"]))
+                running.signal(int(message["signum"]))
 
     def reap(self) -> None:
         while True:
@@ -462,7 +454,8 @@ class Zygote:
             if info is None:
                 break
             # The leader is a zombie: its group cannot be recycled yet, so this is safe.
-            runtime.signal_group(info.si_pid, signal.SIGKILL)
+            if not getattr(self.steps.get(info.si_pid), "standin", False):
+                runtime.signal_group(info.si_pid, signal.SIGKILL)
             _, status = os.waitpid(info.si_pid, 0)
             if self.warm:
                 self.warm.reaped(info.si_pid)
