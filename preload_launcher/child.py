@@ -114,7 +114,7 @@ def run_target(target: PythonTarget) -> int:
             exec(code, main.__dict__)
         return 0
     except SystemExit as exc:
-        return _system_exit_code(exc)
+        return runtime.exit_status_of(exc)
     except BaseException as exc:
         # Drop this frame so the traceback reads as python's own.
         exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ else None
@@ -122,19 +122,6 @@ def run_target(target: PythonTarget) -> int:
         if isinstance(exc, KeyboardInterrupt):
             return -signal.SIGINT
         return 1
-
-
-def _system_exit_code(exc: SystemExit) -> int:
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    try:
-        print(code, file=sys.stderr)
-    except Exception:
-        pass
-    return 1
 
 
 def start_coverage_if_requested() -> None:

@@ -21,12 +21,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional
 
-from . import deferral, protocol, threads
+from . import deferral, program_exit, protocol, threads
 from .command import StepSpec
+from .program_exit import exit_status_of
 from .settings import Settings
 
 __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
-           "exit_with", "die_with_parent", "close_fds"]
+           "exit_with", "exit_status_of", "die_with_parent", "close_fds"]
 
 PR_SET_PDEATHSIG = 1
 REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
@@ -95,27 +96,25 @@ def exit_with(code: int) -> NoReturn:
 
 
 def flush_std_streams() -> bool:
-    """Flush ``sys.stdout`` and ``sys.stderr``; False when one could not be flushed."""
-    ok = True
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:
-            ok = False
-    return ok
+    """Flush ``sys.stdout`` and ``sys.stderr`` (closed ones left alone); False when one could
+    not be flushed."""
+    return program_exit.flush_std_streams()
 
 
 def finish(code: int) -> int:
-    """Python's shutdown minus module teardown: join threads, atexit, flush, report. Returns the
-    exit code for ``exit_with`` (120 when flushing the output failed, as python does)."""
+    """Python's shutdown minus the preloaded modules' teardown: join threads, atexit, flush,
+    end ``__main__``'s objects, flush again, report. Returns the exit code for ``exit_with``:
+    120 when flushing the output failed, as python does (a code < 0, death by signal, wins)."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:
         traceback.print_exc()
     atexit._run_exitfuncs()
-    if not flush_std_streams() and code == 0:
-        code = 120
+    flushed = program_exit.flush_std_streams(report=True)
+    program_exit.end_main_module()
+    flushed = program_exit.flush_std_streams(report=flushed) and flushed  # python says it once
+    if not flushed and code >= 0:
+        code = program_exit.FLUSH_FAILED
     report_exit(code)
     return code
 
