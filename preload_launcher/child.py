@@ -18,33 +18,10 @@ import types
 import warnings
 from typing import Optional
 
-from . import learn, protocol, runtime
+from . import interpreter, learn, protocol, runtime, stdio
 from .command import PythonTarget
 
 __all__ = ["run_python_step"]
-
-
-def configure_stdio(target: PythonTarget, env: dict[str, str]) -> None:
-    """Buffering as a fresh interpreter sets it. The zygote runs with ``-u`` (raw binary
-    layer), so a write-through text layer is truly unbuffered and a buffered one is not."""
-    unbuffered = target.unbuffered or bool(env.get("PYTHONUNBUFFERED"))
-    encoding, _, errors = env.get("PYTHONIOENCODING", "").partition(":")
-    for stream, is_err in ((sys.stdout, False), (sys.stderr, True)):
-        if stream is None:
-            continue
-        if unbuffered:
-            options = {"line_buffering": False, "write_through": True}
-        else:
-            options = {"line_buffering": is_err or os.isatty(stream.fileno()),
-                       "write_through": False}
-        if encoding:
-            options["encoding"] = encoding
-        if errors and not is_err:
-            options["errors"] = errors
-        try:
-            stream.reconfigure(**options)
-        except (AttributeError, ValueError, LookupError):
-            pass
 
 
 def _path0(target: PythonTarget) -> Optional[str]:
@@ -76,8 +53,8 @@ def apply_interpreter_options(target: PythonTarget, base_path: list[str]) -> Non
     sys.argv = [target.value if target.kind == "script" else f"-{target.kind[0]}", *target.args]
     if target.executable:
         sys.executable = target.executable
-    sys.dont_write_bytecode = target.dont_write_bytecode or bool(
-        os.environ.get("PYTHONDONTWRITEBYTECODE"))
+    sys.dont_write_bytecode = target.dont_write_bytecode or (
+        interpreter.env_flag(os.environ, "PYTHONDONTWRITEBYTECODE") > 0)
     for option in target.warnoptions:
         sys.warnoptions.append(option)
         warnings._setoption(option)  # type: ignore[attr-defined]
@@ -142,7 +119,8 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     """Apply interpreter options, announce the start, run the target, shut down like python;
     returns the exit code. ``conn_fd``: the caller's connection (None for a rank, which already
     reports to its agent)."""
-    configure_stdio(target, dict(os.environ))
+    stdio.install_fresh_streams(
+        target.unbuffered or interpreter.env_flag(os.environ, "PYTHONUNBUFFERED") > 0, os.environ)
     apply_interpreter_options(target, state.base_path)
     start_coverage_if_requested()
     sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)

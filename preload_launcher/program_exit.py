@@ -67,6 +67,23 @@ def flush_std_streams(report: bool = False) -> bool:
     return ok
 
 
+def _print_unraisable_while_finalising(unraisable) -> None:
+    """Python's own hook as it prints while finalising: no source lines (it cannot import
+    ``io`` to read them any more)."""
+    head = unraisable.err_msg or "Exception ignored in"
+    lines = [f"{head}: {unraisable.object!r}\n" if unraisable.object is not None else f"{head}\n"]
+    if unraisable.exc_traceback is not None:
+        lines.append("Traceback (most recent call last):\n")
+        lines += [f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n'
+                  for frame in traceback.extract_tb(unraisable.exc_traceback)]
+    lines += traceback.format_exception_only(unraisable.exc_type, unraisable.exc_value)
+    try:
+        sys.stderr.write("".join(lines))
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
 def end_main_module() -> None:
     """Clear ``__main__``'s globals as python's finalisation does (names with one leading
     underscore first, then the rest; ``__builtins__`` kept), then collect the cycles they
@@ -75,10 +92,17 @@ def end_main_module() -> None:
     namespace = getattr(main, "__dict__", None)
     if namespace is None:
         return
-    names = list(namespace)
-    for first_pass in (True, False):
-        for name in names:
-            single_underscore = name.startswith("_") and not name.startswith("__")
-            if name != "__builtins__" and single_underscore == first_pass and name in namespace:
-                namespace[name] = None
-    gc.collect()
+    default_hook = sys.unraisablehook is sys.__unraisablehook__
+    if default_hook:
+        sys.unraisablehook = _print_unraisable_while_finalising
+    try:
+        names = list(namespace)
+        for first_pass in (True, False):
+            for name in names:
+                single_underscore = name.startswith("_") and not name.startswith("__")
+                if name != "__builtins__" and single_underscore == first_pass and name in namespace:
+                    namespace[name] = None
+        gc.collect()
+    finally:
+        if default_hook:
+            sys.unraisablehook = sys.__unraisablehook__

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional
 
-from . import deferral, program_exit, protocol, threads
+from . import deferral, interpreter, program_exit, protocol, threads
 from .command import StepSpec
 from .program_exit import exit_status_of
 from .settings import Settings
@@ -224,14 +224,12 @@ def redirect_to_files(stdout_file: str, stderr_file: str) -> None:
             os.close(target)
 
 
-def coerce_c_locale() -> None:
+def coerce_c_locale() -> bool:
     """PEP 538: under the C/POSIX locale a fresh interpreter sets ``LC_CTYPE=C.UTF-8``."""
-    env = os.environ
-    if env.get("LC_ALL") or env.get("PYTHONCOERCECLOCALE") == "0":
-        return
-    ctype = env.get("LC_CTYPE") or env.get("LANG") or "C"
-    if ctype in ("C", "POSIX"):
-        env["LC_CTYPE"] = "C.UTF-8"
+    if os.environ.get("LC_ALL") or os.environ.get("PYTHONCOERCECLOCALE") == "0":
+        return False
+    os.environ["LC_CTYPE"] = "C.UTF-8"
+    return True
 
 
 def reseed_random_generators() -> None:
@@ -257,9 +255,10 @@ def use_spawn_proxy(executable: str) -> None:
         multiprocessing.spawn.set_executable(executable)
 
 
-def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
+def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     """Everything between fork and user code, for a step and for each rank alike: signals,
-    fds, environment, cwd, random seeds. Raises OSError for cwd and stdio problems."""
+    fds, environment, locale, cwd, random seeds. Raises OSError for cwd and stdio problems.
+    Returns the LC_CTYPE locale the environment selects (before PEP 538's coercion)."""
     die_with_parent()
     restore_signals(state.signal_handlers)
     close_fds(state.zygote_fds)
@@ -272,7 +271,7 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
     os.environ.update(spec.env)
     for key, value in state.env_set_by_preload.items():
         os.environ.setdefault(key, value)
-    coerce_c_locale()
+    startup_locale = interpreter.apply_locale(coerce_c_locale)
     os.chdir(spec.cwd)
     reseed_random_generators()
     threads.apply_fresh_counts(spec.thread_counts)
@@ -280,3 +279,4 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
     deferral.install_for_step(state.deferred, wanted.deferred)
     use_spawn_proxy(state.spawn_executable if wanted.spawn else "")
     redirect_to_files(spec.stdout_file, spec.stderr_file)
+    return startup_locale

@@ -1,0 +1,103 @@
+"""Settings a fresh interpreter takes from its environment at start-up, by CPython's rules.
+
+Some can be applied in a forked child (buffering, the locale, tracemalloc); the ones
+``sys.flags`` fixes at start-up (``-O``, dev mode, verbose imports, UTF-8 mode, ...) cannot:
+a step that asks for other values than the zygote was started with is served by a zygote
+started with them (the client compares ``startup_flags``) or, failing that, runs as a plain
+process (``startup_mismatch`` in the child says why).
+"""
+
+from __future__ import annotations
+
+import locale
+import sys
+from typing import Mapping, Optional
+
+__all__ = ["env_flag", "startup_flags", "zygote_flags", "startup_mismatch", "FLAG_PREFIX",
+           "apply_locale", "ctype_is_c_like"]
+
+FLAG_PREFIX = "sys.flags."  # how start-up flags are named among a zygote's import environment
+
+# Locales where python defaults stdio errors to surrogateescape (its coercion targets too).
+C_LIKE_LOCALES = ("C", "POSIX", "C.UTF-8", "C.utf8", "UTF-8")
+
+
+def _value(env: Mapping[str, str], name: str) -> Optional[str]:
+    return env.get(name) or None  # python treats an empty variable as unset
+
+
+def env_flag(env: Mapping[str, str], name: str) -> int:
+    """A numeric flag variable as python reads it (``PYTHONOPTIMIZE=2`` -> 2, text -> 1,
+    ``0`` -> 0, unset or empty -> 0)."""
+    value = _value(env, name)
+    if value is None:
+        return 0
+    try:
+        number = int(value)
+    except ValueError:
+        return 1
+    return number if number >= 0 else 1
+
+
+def _utf8_mode(env: Mapping[str, str], ctype_locale: Optional[str]) -> Optional[int]:
+    """PEP 540: ``PYTHONUTF8``, else on when the start-up locale is C/POSIX; None when only
+    the locale (known in the child, after ``apply_locale``) can tell."""
+    value = _value(env, "PYTHONUTF8")
+    if value in ("0", "1"):
+        return int(value)
+    if ctype_locale is None:
+        return None
+    return int(ctype_locale in ("C", "POSIX"))
+
+
+def startup_flags(env: Mapping[str, str], ctype_locale: Optional[str] = None) -> dict[str, int]:
+    """The ``sys.flags`` a fresh interpreter started with ``env`` would show, for the flags an
+    environment variable sets. ``ctype_locale``: the LC_CTYPE locale ``env`` selects (before
+    coercion), where known."""
+    flags = {"optimize": env_flag(env, "PYTHONOPTIMIZE"),
+             "verbose": env_flag(env, "PYTHONVERBOSE"),
+             "dev_mode": int(_value(env, "PYTHONDEVMODE") is not None)}
+    if hasattr(sys.flags, "warn_default_encoding"):
+        flags["warn_default_encoding"] = int(_value(env, "PYTHONWARNDEFAULTENCODING") is not None)
+    if hasattr(sys.flags, "int_max_str_digits"):
+        digits = _value(env, "PYTHONINTMAXSTRDIGITS")
+        flags["int_max_str_digits"] = int(digits) if digits and digits.isdigit() else -1
+    utf8 = _utf8_mode(env, ctype_locale)
+    if utf8 is not None:
+        flags["utf8_mode"] = utf8
+    return flags
+
+
+def zygote_flags(keys) -> dict[str, int]:
+    """This interpreter's own values of ``keys`` (names of ``sys.flags`` fields)."""
+    return {key: int(getattr(sys.flags, key)) for key in keys}
+
+
+def startup_mismatch(env: Mapping[str, str], ctype_locale: Optional[str]) -> list[str]:
+    """The start-up flags ``env`` asks for that this (forked) interpreter does not have."""
+    wanted = startup_flags(env, ctype_locale)
+    have = zygote_flags(wanted)
+    return [f"{FLAG_PREFIX}{key}={wanted[key]}" for key in wanted if wanted[key] != have[key]]
+
+
+def _locale_from_env() -> str:
+    """Set LC_CTYPE from the environment, as python does at start-up (a locale that does not
+    exist leaves "C"); returns its name."""
+    try:
+        return locale.setlocale(locale.LC_CTYPE, "")
+    except locale.Error:
+        return locale.setlocale(locale.LC_CTYPE, "C")
+
+
+def apply_locale(coerce) -> str:
+    """Python's start-up: read LC_CTYPE from the environment; under C/POSIX apply PEP 538's
+    coercion (``coerce`` sets ``LC_CTYPE`` in the environment when it applies) and read it
+    again. Returns the locale before coercion (what UTF-8 mode depends on)."""
+    before = _locale_from_env()
+    if before in ("C", "POSIX") and coerce():
+        _locale_from_env()
+    return before
+
+
+def ctype_is_c_like() -> bool:
+    return locale.setlocale(locale.LC_CTYPE) in C_LIKE_LOCALES

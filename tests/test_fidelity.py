@@ -1,0 +1,196 @@
+"""A forked python step against a fresh interpreter, side by side: the same program run with
+``subprocess.run`` and through the launcher must show the same returncode (and its type),
+output, files and process attributes."""
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import PY, plain
+
+BIN = os.path.dirname(PY)
+# Variables of the machine running the tests that would change what both sides show.
+SCRUBBED = ("PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONOPTIMIZE", "PYTHONDEVMODE",
+            "PYTHONVERBOSE", "PYTHONINTMAXSTRDIGITS", "PYTHONWARNDEFAULTENCODING",
+            "PYTHONTRACEMALLOC", "PYTHONUTF8")
+
+
+def fresh_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
+    return dict(env, **extra)
+
+
+def both(launcher, args, **kwargs):
+    """(the fresh interpreter's result, the launcher's), for the same command."""
+    kwargs.setdefault("env", fresh_env())
+    ref = plain(args, timeout=120, **kwargs)
+    got = launcher.run(args, timeout=120, **kwargs)
+    return ref, got
+
+
+def same_run(launcher, args, via="zygote", **kwargs):
+    ref, got = both(launcher, args, **kwargs)
+    assert got.via == via, got.reason
+    assert type(got.returncode) is int
+    assert (got.returncode, without_addresses(got.stdout)) == \
+        (ref.returncode, without_addresses(ref.stdout))
+    return ref, got
+
+
+def without_addresses(text):
+    return re.sub(r" at 0x[0-9a-f]+", " at 0x…", text)
+
+
+# ---------------------------------------------------------------- the program's end
+
+FINALISED = textwrap.dedent("""\
+    import sys, tempfile
+    log = open(sys.argv[1], "w")
+    log.write("result: 42\\n")
+    held = tempfile.NamedTemporaryFile(prefix=sys.argv[2], dir=sys.argv[3])
+    class Noisy:
+        def __del__(self):
+            print("del ran")
+            raise ValueError("in __del__")
+    noisy = Noisy()
+    class Cycle:
+        def __del__(self):
+            print("cycle collected")
+    _cycle = Cycle()
+    _cycle.me = _cycle
+    """)
+
+
+def test_the_programs_objects_are_finalised_at_exit(light, tmp_path):
+    """Unclosed files are flushed, temporary files removed, ``__del__`` run, its error printed."""
+    script = tmp_path / "fin.py"
+    script.write_text(FINALISED)
+    outputs = {}
+    for name, runner in (("ref", plain), ("got", light.run)):
+        result = runner([PY, str(script), str(tmp_path / name), f"held-{name}-", str(tmp_path)],
+                        env=fresh_env(), timeout=120)
+        outputs[name] = (result.returncode, without_addresses(result.stdout))
+        assert (tmp_path / name).read_text() == "result: 42\n"
+    assert outputs["got"] == outputs["ref"]
+    assert "cycle collected" in outputs["ref"][1] and "ValueError: in __del__" in outputs["ref"][1]
+    assert not list(tmp_path.glob("held-*"))
+
+
+# ---------------------------------------------------------------- exit statuses
+
+@pytest.mark.parametrize("code", [
+    "sys.exit(-1)", "sys.exit(256)", "sys.exit(300)", "raise SystemExit(True)",
+    "sys.exit(2**64)", "sys.exit('bye')", "sys.exit(None)",
+    "sys.stdout.close()",
+    "sys.stdout.close(); sys.exit(3)",
+    # Flushing a still-open stdout fails at exit: python says so and exits 120, whatever code.
+    "fd = os.open('/dev/full', os.O_WRONLY); os.dup2(fd, 1); print('x')",
+    "fd = os.open('/dev/full', os.O_WRONLY); os.dup2(fd, 1); print('x'); sys.exit(3)",
+])
+def test_exit_statuses_are_pythons(light, code):
+    same_run(light, [PY, "-c", f"import os, sys\n{code}"])
+
+
+def test_the_exit_status_rule_is_pythons():
+    from preload_launcher.runtime import exit_status_of
+    for code in (None, 0, 1, -1, 255, 256, 300, -300, 2**31, 2**63, -2**63 - 1, True, False):
+        ref = subprocess.run([PY, "-c", f"import sys; sys.exit({code!r})"])
+        assert exit_status_of(SystemExit(code)) == ref.returncode, code
+
+
+# ---------------------------------------------------------------- stdio
+
+STREAMS = textwrap.dedent("""\
+    import sys
+    for name in ("stdin", "stdout", "stderr"):
+        s = getattr(sys, name)
+        b = s.buffer
+        raw = getattr(b, "raw", b)
+        print(name, s is getattr(sys, "__%s__" % name), type(b).__name__, type(raw).__name__,
+              raw.name, s.name, s.mode, b.mode, s.encoding, s.errors, s.line_buffering,
+              s.write_through, s.seekable(), raw.closefd)
+    """)
+
+
+@pytest.mark.parametrize("extra,flags", [
+    ({}, []), ({"PYTHONIOENCODING": "latin-1:ignore"}, []), ({"PYTHONIOENCODING": ":replace"}, []),
+    ({"PYTHONIOENCODING": "UTF8"}, []), ({"PYTHONUNBUFFERED": "1"}, []),
+    ({"PYTHONUNBUFFERED": "0"}, []), ({}, ["-u"])])
+def test_stdio_objects_are_a_fresh_interpreters(light, extra, flags):
+    with stdin_from_a_pipe():  # as a CI runner's often is (not seekable)
+        same_run(light, [PY, *flags, "-c", STREAMS], env=fresh_env(**extra))
+
+
+@contextlib.contextmanager
+def stdin_from_a_pipe():
+    """The caller's fd 0 (what both sides inherit) is a pipe for a while."""
+    saved = os.dup(0)
+    r, w = os.pipe()
+    os.close(w)
+    os.dup2(r, 0)
+    os.close(r)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+
+
+def test_buffered_bytes_come_after_unbuffered_writes_as_in_python(light):
+    same_run(light, [PY, "-c", "import os, sys; sys.stdout.buffer.write(b'A'); os.write(1, b'B')"])
+
+
+INTERRUPTED = textwrap.dedent("""\
+    import signal, sys
+    signal.signal(signal.SIGALRM, lambda *a: None)
+    signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+    for _ in range(20):
+        sys.stdout.write("x" * 2_000_000)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    """)
+
+
+def test_writes_interrupted_by_signals_deliver_every_byte(light):
+    ref, got = both(light, [PY, "-c", INTERRUPTED])
+    assert got.via == "zygote"
+    assert (got.returncode, len(got.stdout)) == (ref.returncode, len(ref.stdout)) == (0, 40_000_000)
+
+
+def test_a_closed_pipe_is_a_broken_pipe_error(light):
+    """``python … | head -c10``: python's BrokenPipeError and exit 1 (the pipeline's python is
+    forked through its stand-in)."""
+    script = ("python3 -c 'import sys; sys.stdout.write(\"x\" * 200000)' 2>&3 | head -c10 >&3; "
+              "echo rc=${PIPESTATUS[0]}")
+    env = fresh_env(PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    before = light.standin_steps()
+    ref, got = both(light, ["bash", "-c", "{ %s; } 3>&1" % script], env=env)
+    assert light.standin_steps() == before + 1, got.reason
+    assert got.stdout == ref.stdout and "rc=1" in ref.stdout and "BrokenPipeError" in ref.stdout
+
+
+PRELOADED_LOGGER = textwrap.dedent("""\
+    import logging
+    handler = logging.StreamHandler()  # holds sys.stderr as it is at import
+    logging.getLogger("prelog").addHandler(handler)
+    """)
+
+
+def test_log_handlers_made_at_preload_hold_the_steps_stderr(tmp_path):
+    from preload_launcher import Launcher
+    (tmp_path / "prelog.py").write_text(PRELOADED_LOGGER)
+    env = fresh_env(PYTHONPATH=str(tmp_path))
+    code = ("import logging, sys, prelog; print(prelog.handler.stream is sys.stderr); "
+            "logging.getLogger('prelog').warning('to stderr'); print('after')")
+    launcher = Launcher(["prelog"])
+    try:
+        ref, got = both(launcher, [PY, "-c", code], env=env)
+        status = launcher.zygotes[0].request("status")
+    finally:
+        launcher.close()
+    assert got.via == "zygote" and "prelog" in str(status.get("preload")), got.reason
+    # stderr is line-buffered, stdout (a pipe) block-buffered: the warning comes first
+    assert got.stdout == ref.stdout == "to stderr\nTrue\nafter\n"
