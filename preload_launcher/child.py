@@ -63,9 +63,18 @@ def apply_interpreter_options(target: PythonTarget, base_path: list[str]) -> Non
         sys._xoptions[name] = value or True  # type: ignore[attr-defined]
     if "faulthandler" in sys._xoptions or os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
-    if "tracemalloc" in sys._xoptions:
+    _start_tracemalloc(sys._xoptions.get("tracemalloc"), os.environ.get("PYTHONTRACEMALLOC"))
+
+
+def _start_tracemalloc(xoption, env_value: Optional[str]) -> None:
+    """``-X tracemalloc[=N]`` or ``PYTHONTRACEMALLOC=N`` (the option wins), from here on."""
+    if xoption is None and not env_value:
+        return
+    frames = xoption if xoption is not None else env_value
+    frames = 1 if frames is True else int(frames)
+    if frames > 0:  # PYTHONTRACEMALLOC=0: off
         import tracemalloc
-        tracemalloc.start(int(sys._xoptions["tracemalloc"]) if sys._xoptions["tracemalloc"] is not True else 1)
+        tracemalloc.start(frames)
 
 
 def run_target(target: PythonTarget) -> int:

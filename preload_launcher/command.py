@@ -17,8 +17,9 @@ from typing import Optional, Union
 
 __all__ = ["StepSpec", "PythonTarget", "Unsupported", "parse_command", "parse_python_argv"]
 
-# -X options that can be honoured in a forked child (others change interpreter start-up).
-APPLICABLE_XOPTIONS = ("faulthandler", "tracemalloc", "warn_default_encoding")
+# -X options that can be honoured in a forked child (others, warn_default_encoding among them,
+# set sys.flags at interpreter start-up).
+APPLICABLE_XOPTIONS = ("faulthandler", "tracemalloc")
 
 
 @dataclass
@@ -239,6 +240,8 @@ def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepS
     target = parse_python_argv(list(args))
     if isinstance(target, Unsupported):
         return target
+    if env.get("PYTHONVERBOSE"):
+        return Unsupported("PYTHONVERBOSE: a fresh interpreter reports every import, preloaded ones too")
     target.executable = _invoked_path(program, env, cwd)
     if target.kind == "script" and not os.path.isfile(os.path.join(cwd, target.value)) \
             and os.path.exists(os.path.join(cwd, target.value)):

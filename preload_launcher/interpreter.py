@@ -13,7 +13,8 @@ import locale
 import sys
 from typing import Mapping, Optional
 
-__all__ = ["env_flag", "startup_flags", "zygote_flags", "startup_mismatch", "FLAG_PREFIX",
+__all__ = ["env_flag", "startup_flags", "zygote_flags", "flags_differ", "startup_mismatch",
+           "FLAG_PREFIX",
            "apply_locale", "ctype_is_c_like"]
 
 FLAG_PREFIX = "sys.flags."  # how start-up flags are named among a zygote's import environment
@@ -68,9 +69,25 @@ def startup_flags(env: Mapping[str, str], ctype_locale: Optional[str] = None) ->
     return flags
 
 
-def zygote_flags(keys) -> dict[str, int]:
-    """This interpreter's own values of ``keys`` (names of ``sys.flags`` fields)."""
+def zygote_flags(keys=None) -> dict[str, int]:
+    """This interpreter's own values of ``keys`` (names of ``sys.flags`` fields; default: all
+    that ``startup_flags`` knows)."""
+    if keys is None:
+        keys = [*startup_flags({}), "utf8_mode"]
     return {key: int(getattr(sys.flags, key)) for key in keys}
+
+
+def _ctype_name(env: Mapping[str, str]) -> str:
+    """The LC_CTYPE locale ``env`` names (without asking the C library whether it exists)."""
+    return env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG") or "C"
+
+
+def flags_differ(recorded: Mapping[str, Optional[int]], env: Mapping[str, str]) -> list[str]:
+    """Among a zygote's ``recorded`` start-up flags (named with ``FLAG_PREFIX``), those a fresh
+    interpreter started with ``env`` would show otherwise."""
+    wanted = startup_flags(env, _ctype_name(env))
+    return [key for key, value in recorded.items()
+            if key.startswith(FLAG_PREFIX) and wanted.get(key[len(FLAG_PREFIX):], value) != value]
 
 
 def startup_mismatch(env: Mapping[str, str], ctype_locale: Optional[str]) -> list[str]:

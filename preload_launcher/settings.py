@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
+from . import interpreter
+
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "ZygoteConfig", "parse_bool",
            "preload_modules", "runtime_dir", "QUARANTINE_ENV", "RESTARTED_ENV", "PER_TEST_ENV",
            "THREAD_ENV"]
@@ -199,8 +201,11 @@ def preload_modules(explicit: Optional[str] = None, ini: Optional[str] = None,
 
 def import_env_mismatch(import_env: Mapping[str, Optional[str]],
                         env: Mapping[str, str]) -> list[str]:
-    """The import-relevant variables whose value in ``env`` differs from a preload's."""
-    return sorted(k for k, v in import_env.items() if env.get(k) != v)
+    """The import-relevant variables whose value in ``env`` differs from a preload's, and the
+    start-up flags (``sys.flags.X``) a fresh interpreter would take otherwise from ``env``."""
+    flags = interpreter.FLAG_PREFIX
+    return sorted([k for k, v in import_env.items() if not k.startswith(flags) and env.get(k) != v]
+                  + interpreter.flags_differ(import_env, env))
 
 
 def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:

@@ -24,12 +24,17 @@ __all__ = ["install_fresh_streams"]
 NAMES = ("stdin", "stdout", "stderr")
 
 
+def _locale_encoding() -> str:
+    getencoding = getattr(locale, "getencoding", None)  # 3.11+; the older call warns there
+    return getencoding() if getencoding else locale.getpreferredencoding(False)
+
+
 def _encoding_and_errors(env: Mapping[str, str]) -> tuple[str, str]:
     encoding, _, errors = (env.get("PYTHONIOENCODING") or "").partition(":")
     if encoding and not errors:
         errors = "strict"  # python: PYTHONIOENCODING=latin1 means latin1:strict
     if not encoding:
-        encoding = "utf-8" if sys.flags.utf8_mode else locale.getpreferredencoding(False)
+        encoding = "utf-8" if sys.flags.utf8_mode else _locale_encoding()
     if not errors:
         errors = ("surrogateescape" if sys.flags.utf8_mode or interpreter.ctype_is_c_like()
                   else "strict")

@@ -194,3 +194,54 @@ def test_log_handlers_made_at_preload_hold_the_steps_stderr(tmp_path):
     assert got.via == "zygote" and "prelog" in str(status.get("preload")), got.reason
     # stderr is line-buffered, stdout (a pipe) block-buffered: the warning comes first
     assert got.stdout == ref.stdout == "to stderr\nTrue\nafter\n"
+
+
+# ---------------------------------------------------------------- interpreter settings
+
+SETTINGS = textwrap.dedent("""\
+    import locale, os, sys, warnings
+    print("flags", sys.flags.optimize, sys.flags.dev_mode, sys.flags.utf8_mode,
+          getattr(sys.flags, "warn_default_encoding", None),
+          getattr(sys.flags, "int_max_str_digits", None), __debug__)
+    print("digits", getattr(sys, "get_int_max_str_digits", lambda: None)())
+    print("locale", locale.setlocale(locale.LC_CTYPE), os.environ.get("LC_CTYPE"),
+          sys.stdout.encoding, sys.stdout.errors, sys.getfilesystemencoding())
+    print("warnings", [f[0] for f in warnings.filters][:4])
+    try:
+        assert False, "asserts run"
+    except AssertionError as e:
+        print(e)
+    """)
+
+
+@pytest.mark.parametrize("extra", [
+    {"PYTHONOPTIMIZE": "1"}, {"PYTHONOPTIMIZE": "2"}, {"PYTHONDEVMODE": "1"},
+    {"PYTHONINTMAXSTRDIGITS": "640"}, {"PYTHONWARNDEFAULTENCODING": "1"},
+    {"LC_ALL": "C"}, {"LANG": "C", "LC_ALL": ""}, {"PYTHONUTF8": "1"}, {"PYTHONUTF8": "0"}])
+def test_interpreter_settings_are_the_steps_own(extra):
+    """A step with the setting, one without, and one with again, through one launcher: each
+    as a fresh interpreter started with its own environment."""
+    from preload_launcher import Launcher
+    launcher = Launcher(["json"])
+    try:
+        for env in (fresh_env(**extra), fresh_env(), fresh_env(**extra)):
+            ref, got = both(launcher, [PY, "-c", SETTINGS], env=env)
+            assert got.stdout == ref.stdout, got.reason
+            assert got.via == "zygote" or "start-up settings" in got.reason, got.reason
+    finally:
+        launcher.close()
+
+
+@pytest.mark.parametrize("args,extra", [
+    (["-X", "warn_default_encoding"], {}), (["-O"], {}), (["-X", "dev"], {}),
+    ([], {"PYTHONVERBOSE": "1"})])
+def test_start_up_options_a_zygote_lacks_run_as_a_fresh_interpreter(light, args, extra):
+    ref, got = both(light, [PY, *args, "-c", SETTINGS], env=fresh_env(**extra))
+    assert got.via == "subprocess" and got.reason
+    assert without_addresses(got.stdout) == without_addresses(ref.stdout)
+
+
+def test_tracemalloc_from_the_environment(light):
+    code = "import tracemalloc; print(tracemalloc.is_tracing(), tracemalloc.get_traceback_limit())"
+    for value in ("5", "0"):
+        same_run(light, [PY, "-c", code], env=fresh_env(PYTHONTRACEMALLOC=value))
