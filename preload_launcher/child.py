@@ -49,6 +49,8 @@ def _fresh_main(target: PythonTarget) -> types.ModuleType:
 
 def apply_interpreter_options(target: PythonTarget, base_path: list[str]) -> None:
     path0 = _path0(target)
+    base_path = interpreter.step_base_path(base_path, os.environ.get("PYTHONPATH", ""),
+                                           interpreter.ZYGOTE_CWD, os.getcwd())
     sys.path[:] = ([path0] if path0 is not None else []) + list(base_path)
     sys.argv = [target.value if target.kind == "script" else f"-{target.kind[0]}", *target.args]
     if target.executable:

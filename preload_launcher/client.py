@@ -26,6 +26,7 @@ from . import cuda, protocol, settings, standin
 from .command import StepSpec, Unsupported, parse_command, resolves_to_this_interpreter
 from .files import remove_all, unlink_all, zygote_files
 from .gpus import pool_ids as gpu_pool_ids
+from .interpreter import ZYGOTE_CWD
 from .result import LauncherError, StepResult
 from .settings import Settings, ZygoteConfig
 
@@ -112,7 +113,7 @@ class ZygoteProcess:
                 self.process = subprocess.Popen(
                     [sys.executable, "-u", "-c", BOOTSTRAP, PACKAGE_PARENT, config.to_json()],
                     env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    pass_fds=pass_fds, start_new_session=True, cwd="/")
+                    pass_fds=pass_fds, start_new_session=True, cwd=ZYGOTE_CWD)
         finally:
             listener.close()
             os.close(ready_w)

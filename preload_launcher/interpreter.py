@@ -10,13 +10,15 @@ process (``startup_mismatch`` in the child says why).
 from __future__ import annotations
 
 import locale
+import os
 import sys
 from typing import Mapping, Optional
 
 __all__ = ["env_flag", "startup_flags", "zygote_flags", "flags_differ", "startup_mismatch",
            "FLAG_PREFIX",
-           "apply_locale", "ctype_is_c_like"]
+           "apply_locale", "ctype_is_c_like", "step_base_path"]
 
+ZYGOTE_CWD = "/"  # where a zygote starts, resolving relative PYTHONPATH entries against it
 FLAG_PREFIX = "sys.flags."  # how start-up flags are named among a zygote's import environment
 
 # Locales where python defaults stdio errors to surrogateescape (its coercion targets too).
@@ -118,3 +120,25 @@ def apply_locale(coerce) -> str:
 
 def ctype_is_c_like() -> bool:
     return locale.setlocale(locale.LC_CTYPE) in C_LIKE_LOCALES
+
+
+def _path_key(path: str) -> str:
+    """Paths as ``site`` compares them (``//src``, which getpath makes from cwd ``/``, is
+    ``/src``)."""
+    normal = os.path.normpath(path)
+    return "/" + normal.lstrip("/") if normal.startswith("/") else normal
+
+
+def step_base_path(base_path: list[str], pythonpath: str, zygote_cwd: str, cwd: str) -> list[str]:
+    """``base_path`` (the zygote's sys.path without sys.path[0]) with ``PYTHONPATH``'s entries
+    resolved against the step's ``cwd``, as a fresh interpreter started there resolves them,
+    instead of the zygote's start-up directory; duplicates dropped as ``site`` drops them."""
+    entries = pythonpath.split(os.pathsep) if pythonpath else []
+    if cwd == zygote_cwd or all(os.path.isabs(e) for e in entries):
+        return base_path
+    zygotes = {_path_key(os.path.join(zygote_cwd, e)) for e in entries}
+    at = next((i for i, p in enumerate(base_path) if _path_key(p) in zygotes), 0)
+    kept = [p for p in base_path if _path_key(p) not in zygotes]
+    path = kept[:at] + [os.path.abspath(os.path.join(cwd, e)) for e in entries] + kept[at:]
+    seen: set[str] = set()
+    return [p for p in path if not (_path_key(p) in seen or seen.add(_path_key(p)))]

@@ -245,3 +245,14 @@ def test_tracemalloc_from_the_environment(light):
     code = "import tracemalloc; print(tracemalloc.is_tracing(), tracemalloc.get_traceback_limit())"
     for value in ("5", "0"):
         same_run(light, [PY, "-c", code], env=fresh_env(PYTHONTRACEMALLOC=value))
+
+
+# ---------------------------------------------------------------- sys.path
+
+@pytest.mark.parametrize("pythonpath", ["src", ".", "src:.::../up", "./src:" + os.sep + "abs"])
+def test_a_relative_pythonpath_is_resolved_against_the_steps_cwd(light, tmp_path, pythonpath):
+    work = tmp_path / "work"
+    (work / "src").mkdir(parents=True)
+    (work / "src" / "mylib.py").write_text("VALUE = 42\n")
+    code = "import sys, mylib; print(mylib.VALUE); print(sys.path[:6])"
+    same_run(light, [PY, "-c", code], cwd=work, env=fresh_env(PYTHONPATH=pythonpath))
