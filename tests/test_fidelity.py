@@ -254,5 +254,5 @@ def test_a_relative_pythonpath_is_resolved_against_the_steps_cwd(light, tmp_path
     work = tmp_path / "work"
     (work / "src").mkdir(parents=True)
     (work / "src" / "mylib.py").write_text("VALUE = 42\n")
-    code = "import sys, mylib; print(mylib.VALUE); print(sys.path[:6])"
+    code = "import sys; print(sys.path[:6]); import mylib; print(mylib.VALUE)"
     same_run(light, [PY, "-c", code], cwd=work, env=fresh_env(PYTHONPATH=pythonpath))
