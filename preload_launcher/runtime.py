@@ -13,6 +13,7 @@ import atexit
 import ctypes
 import fcntl
 import os
+import resource
 import signal
 import sys
 import threading
@@ -31,9 +32,11 @@ __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit
 
 PR_SET_PDEATHSIG = 1
 REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
+REPORT_FD_CAP = 1 << 16  # ... at the top of the fd range (within the first 64 Ki numbers)
 
 _report_fd: Optional[int] = None  # where this process reports its exit code (see report_exit)
 _report_pid = 0  # the process that owns it: a fork of the step inherits the fd, not the duty
+_report_identity = (0, 0)  # its (st_dev, st_ino): the program may have replaced the fd since
 
 
 @dataclass
@@ -123,24 +126,43 @@ def finish(code: int) -> int:
 
 def keep_for_exit_report(fd: int) -> None:
     """Keep ``fd`` (the caller's connection, or a rank's line to its agent) to report the exit
-    code on: moved out of the program's way and closed on exec, so spawned programs lack it."""
-    global _report_fd, _report_pid
+    code on: moved to the top of the fd range, out of the program's way, and closed on exec,
+    so spawned programs lack it. A program that closes or replaces it anyway (``dup2`` onto
+    it, ``closerange``) is noticed at exit: its file is left alone and the reaper reports."""
+    global _report_fd, _report_pid, _report_identity
     if _report_fd is not None:  # a rank forked by its agent: the agent's line is not ours
         os.close(_report_fd)
-    _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, REPORT_FD_MIN)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    top = min(soft if soft != resource.RLIM_INFINITY else REPORT_FD_CAP, REPORT_FD_CAP) - 1
+    try:
+        _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, max(top, REPORT_FD_MIN))
+    except OSError:  # the top is taken: the lowest free number above the usual ones
+        _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, REPORT_FD_MIN)
+    _report_identity = _identity(_report_fd)
     _report_pid = os.getpid()
     os.close(fd)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def report_exit(code: int) -> None:
     """Report the exit code now, before the kernel tears the process down (with a CUDA context,
     ~0.2 s the caller need not wait for). The step's output is closed first, so the caller has
-    all of it once the report arrives. A process that dies without reporting is reported by
-    whoever reaps it."""
+    all of it once the report arrives. A process that dies without reporting (or whose report
+    fd the program replaced) is reported by whoever reaps it."""
     global _report_fd
     if _report_fd is None or os.getpid() != _report_pid:
         return
     fd, _report_fd = _report_fd, None
+    try:
+        ours = _identity(fd) == _report_identity
+    except OSError:
+        ours = False
+    if not ours:
+        return
     close_step_output(keep=fd)
     protocol.send_event(fd, "exit", returncode=code)
     os.close(fd)

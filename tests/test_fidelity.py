@@ -256,3 +256,70 @@ def test_a_relative_pythonpath_is_resolved_against_the_steps_cwd(light, tmp_path
     (work / "src" / "mylib.py").write_text("VALUE = 42\n")
     code = "import sys; print(sys.path[:6]); import mylib; print(mylib.VALUE)"
     same_run(light, [PY, "-c", code], cwd=work, env=fresh_env(PYTHONPATH=pythonpath))
+
+
+# ---------------------------------------------------------------- fds
+
+# The step's fds, less the one it reports its exit on (at the top of the fd range).
+FDS = textwrap.dedent("""\
+    import os, resource
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    report = min(soft, 1 << 16) - 1
+    print(sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) != report))
+    """)
+
+
+@pytest.mark.needs_torch
+def test_a_steps_fds_are_a_fresh_interpreters(torch_launcher):
+    """Nothing of the zygote's (its thread-count probe's pipe, its sockets) reaches a step."""
+    same_run(torch_launcher, [PY, "-c", "import torch\n" + FDS],
+             env=fresh_env(OMP_NUM_THREADS="1"))  # a thread environment the zygote probes
+
+
+def test_a_program_that_takes_the_report_fd_keeps_its_file(light, tmp_path):
+    """A program that ``dup2``s its own file onto the exit report's fd: the file gets only what
+    the program wrote, and the exit code still arrives."""
+    code = textwrap.dedent(f"""\
+        import os, resource, sys
+        top = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16) - 1
+        fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        for n in (top, 100):
+            os.dup2(fd, n)
+        os.write(top, b"mine\\n")
+        sys.exit(7)
+        """)
+    for name, runner in (("ref", plain), ("got", light.run)):
+        result = runner([PY, "-c", code, str(tmp_path / name)], env=fresh_env(), timeout=60)
+        assert result.returncode == 7
+        assert (tmp_path / name).read_text() == "mine\n"
+
+
+def test_a_step_sees_no_fds_of_steps_waiting_for_gpus(tmp_path, monkeypatch):
+    """GPU packing: a step started while another waits for a GPU holds none of the waiting
+    step's fds (its connection, its stdin and output)."""
+    import threading
+    import time
+    from preload_launcher import Launcher
+    monkeypatch.setenv("PRELOAD_LAUNCHER_CACHE_DIR", str(tmp_path / "cache"))
+    release = tmp_path / "release"
+    hold = ("import os, sys, time\n"
+            "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n")
+    launcher = Launcher(["json"], gpus="0")
+    threads = []
+    try:
+        launcher.run([PY, "-c", "pass"], env=fresh_env())
+        for _ in range(2):  # one holds GPU 0, the other waits for it
+            threads.append(threading.Thread(target=launcher.run, args=(
+                [PY, "-c", hold, str(release)],), kwargs={"env": fresh_env(), "timeout": 120}))
+            threads[-1].start()
+        zygote = launcher.zygotes[0]
+        deadline = time.monotonic() + 60
+        while zygote.request("status")["gpus"]["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert zygote.request("status")["gpus"]["waiting"] == 1
+        same_run(launcher, [PY, "-c", FDS], env=fresh_env(CUDA_VISIBLE_DEVICES=""))
+    finally:
+        release.write_text("")
+        for thread in threads:
+            thread.join()
+        launcher.close()
