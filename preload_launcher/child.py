@@ -18,13 +18,15 @@ import types
 import warnings
 from typing import Optional
 
-from . import interpreter, learn, protocol, runtime, stdio
+from . import interpreter, learn, protocol, runtime, script, stdio
 from .command import PythonTarget
 
 __all__ = ["run_python_step"]
 
 
 def _path0(target: PythonTarget) -> Optional[str]:
+    if target.kind == "script" and script.is_main_importer(script.script_path(target.value)):
+        return script.script_path(target.value)  # where __main__ is imported from, even with -P
     if os.environ.get("PYTHONSAFEPATH"):
         return None
     if target.kind == "script":
@@ -37,10 +39,7 @@ def _fresh_main(target: PythonTarget) -> types.ModuleType:
     main.__dict__.update(__builtins__=__import__("builtins"), __annotations__={},
                          __spec__=None, __package__=None)
     if target.kind == "script":
-        path = os.path.abspath(target.value)
-        main.__file__ = path
-        main.__cached__ = None
-        main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+        script.set_up_main(main, script.script_path(target.value))
     else:
         main.__loader__ = importlib.machinery.BuiltinImporter
     sys.modules["__main__"] = main
@@ -83,23 +82,23 @@ def run_target(target: PythonTarget) -> int:
     """Run the target as python's main would; returns the exit code (or ends by signal)."""
     main = _fresh_main(target)
     try:
-        if target.kind == "module":
+        if target.kind == "module" or (target.kind == "script"
+                                       and script.is_main_importer(main.__file__)):
+            # -m, or a directory/zip whose __main__ python runs from sys.path[0]
             import runpy
-            runpy._run_module_as_main(target.value, alter_argv=True)  # type: ignore[attr-defined]
-        else:
-            if target.kind == "script":
-                try:
-                    with open(target.value, "rb") as f:
-                        source = f.read()
-                except OSError as err:
-                    print(f"{target.prog}: can't open file {os.path.abspath(target.value)!r}: "
-                          f"[Errno {err.errno}] {err.strerror}", file=sys.stderr)
-                    return 2
-                filename = main.__file__
-            else:
-                source, filename = target.value, "<string>"
-            code = compile(source, filename, "exec")
+            runpy._run_module_as_main(  # type: ignore[attr-defined]
+                target.value if target.kind == "module" else "__main__",
+                alter_argv=target.kind == "module")
+        elif target.kind == "script":
+            try:
+                code = script.code_of(main.__file__)
+            except OSError as err:
+                print(f"{target.prog}: can't open file {main.__file__!r}: "
+                      f"[Errno {err.errno}] {err.strerror}", file=sys.stderr)
+                return 2
             exec(code, main.__dict__)
+        else:
+            exec(compile(target.value, "<string>", "exec"), main.__dict__)
         return 0
     except SystemExit as exc:
         return runtime.exit_status_of(exc)

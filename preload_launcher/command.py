@@ -243,9 +243,6 @@ def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepS
     if env.get("PYTHONVERBOSE"):
         return Unsupported("PYTHONVERBOSE: a fresh interpreter reports every import, preloaded ones too")
     target.executable = _invoked_path(program, env, cwd)
-    if target.kind == "script" and not os.path.isfile(os.path.join(cwd, target.value)) \
-            and os.path.exists(os.path.join(cwd, target.value)):
-        return Unsupported("directory or archive as script")
     if target.kind == "module" and target.value == "torch.distributed.run":
         return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(target.args))
     if target.kind == "module" and target.value == "accelerate.commands.launch":

@@ -323,3 +323,33 @@ def test_a_step_sees_no_fds_of_steps_waiting_for_gpus(tmp_path, monkeypatch):
         for thread in threads:
             thread.join()
         launcher.close()
+
+
+# ---------------------------------------------------------------- what python FILE runs
+
+MAIN = textwrap.dedent("""\
+    import sys
+    print("file", __file__, "argv0", sys.argv[0], "path0", sys.path[0])
+    print("spec", __spec__, "loader", type(__loader__).__name__)
+    print("cached", globals().get("__cached__"), "package", repr(__package__))
+    """)
+
+
+@pytest.fixture
+def scripts(tmp_path):
+    import py_compile
+    import zipapp
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.py").write_text(MAIN)
+    (tmp_path / "dirapp").mkdir()
+    (tmp_path / "dirapp" / "__main__.py").write_text(MAIN)
+    zipapp.create_archive(str(tmp_path / "dirapp"), str(tmp_path / "app.pyz"))
+    py_compile.compile(str(tmp_path / "sub" / "x.py"), cfile=str(tmp_path / "x.pyc"))
+    (tmp_path / "work").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize("path", ["../sub/x.py", "./../sub/x.py", "../app.pyz", "../dirapp",
+                                  "../x.pyc", "../sub", "../missing.py"])
+def test_a_file_python_runs_is_run_as_python_runs_it(light, scripts, path):
+    same_run(light, [PY, path, "arg"], cwd=scripts / "work")
