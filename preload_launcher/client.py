@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence, Union
 
-from . import cuda, protocol, settings, standin
+from . import cuda, process_attrs, protocol, settings, standin
 from .command import StepSpec, Unsupported, parse_command, resolves_to_this_interpreter
 from .files import remove_all, unlink_all, zygote_files
 from .gpus import pool_ids as gpu_pool_ids
@@ -527,6 +527,7 @@ class Launcher:
         if isinstance(parsed, Unsupported):
             return self._run_with_standins(args, cwd, step_env, step_cwd, timeout, check, echo,
                                            parsed.reason, wanted.nested)
+        parsed.process = process_attrs.capture()  # what a subprocess would inherit, as of now
         waiting = time.monotonic()
         try:
             zygote = self.zygote_for(step_env)

@@ -55,6 +55,9 @@ class StepSpec:
     stderr_file: str = ""
     # Torch's (intra, inter)-op threads in a fresh interpreter, by thread env (the zygote's).
     thread_counts: dict = field(default_factory=dict)
+    # The caller's umask, rlimits, CPU affinity, nice, ignored and blocked signals at call time
+    # (process_attrs), which a subprocess would inherit.
+    process: dict = field(default_factory=dict)
 
     def to_json_dict(self) -> dict:
         return asdict(self)

@@ -22,7 +22,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional
 
-from . import deferral, interpreter, program_exit, protocol, threads
+from . import deferral, interpreter, process_attrs, program_exit, protocol, threads
 from .command import StepSpec
 from .program_exit import exit_status_of
 from .settings import Settings
@@ -283,6 +283,8 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     Returns the LC_CTYPE locale the environment selects (before PEP 538's coercion)."""
     die_with_parent()
     restore_signals(state.signal_handlers)
+    cpus = process_attrs.affinity_change(spec.process)  # before taking the caller's on
+    process_attrs.apply(spec.process)
     close_fds(state.zygote_fds)
     state.zygote_fds = []  # closed: their numbers may be reused from here on
     if spec.fd_targets:
@@ -296,7 +298,7 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     startup_locale = interpreter.apply_locale(coerce_c_locale)
     os.chdir(spec.cwd)
     reseed_random_generators()
-    threads.apply_fresh_counts(spec.thread_counts)
+    threads.apply_fresh_counts(spec.thread_counts, cpus)
     wanted = Settings.from_env()  # the step's own environment asks
     deferral.install_for_step(state.deferred, wanted.deferred)
     use_spawn_proxy(state.spawn_executable if wanted.spawn else "")

@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from . import cuda, gpus, procfs, protocol, runtime, standin, step, threads
+from .process_attrs import affinity_change
 from .command import Unsupported, parse_command
 from .files import read_json, remove_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
@@ -394,7 +395,8 @@ class Zygote:
         differs = import_env_mismatch(self.report.import_env if self.report else {}, spec["env"])
         if differs:
             return f"its environment differs from the preload's in {', '.join(differs[:3])}"
-        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"]}
+        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"],
+                "process": spec.get("process") or {}}
 
     def check_staleness(self) -> None:
         """A daemon whose preloaded code or packages changed restarts once idle."""
@@ -416,7 +418,8 @@ class Zygote:
         # Launchers give their processes OMP_NUM_THREADS=1 (torchrun for several ranks,
         # accelerate by default): that count is asked for too.
         launcher = spec.get("torchrun_args") is not None or spec.get("accelerate_args") is not None
-        return self.fresh_counts.table_for(spec.get("env") or {}, multi_rank=launcher)
+        return self.fresh_counts.table_for(spec.get("env") or {}, multi_rank=launcher,
+                                           cpus=affinity_change(spec.get("process") or {}))
 
     def child_state(self, keep=()) -> runtime.ZygoteState:
         """What a child needs; ``keep``: the fds it is handed (all others the zygote opened

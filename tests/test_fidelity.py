@@ -353,3 +353,81 @@ def scripts(tmp_path):
                                   "../x.pyc", "../sub", "../missing.py"])
 def test_a_file_python_runs_is_run_as_python_runs_it(light, scripts, path):
     same_run(light, [PY, path, "arg"], cwd=scripts / "work")
+
+
+# ---------------------------------------------------------------- process attributes
+
+ATTRIBUTES = textwrap.dedent("""\
+    import os, resource, signal
+    print("umask", oct(os.umask(0o22)))
+    print("nofile", resource.getrlimit(resource.RLIMIT_NOFILE))
+    print("affinity", sorted(os.sched_getaffinity(0)))
+    print("nice", os.getpriority(os.PRIO_PROCESS, 0))
+    print("ignored", [s.name for s in signal.valid_signals() if s in signal.Signals.__members__.values()
+                      and signal.getsignal(s) == signal.SIG_IGN])
+    print("sigint", signal.getsignal(signal.SIGINT))
+    print("blocked", sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    """)
+CALLER = textwrap.dedent("""\
+    import os, resource, signal, subprocess, sys
+    args = [sys.argv[1], "-c", sys.argv[2]]
+    if sys.argv[3] == "launcher":  # its zygote starts with this process's attributes
+        from preload_launcher import Launcher
+        launcher = Launcher(sys.argv[4].split(","))
+        launcher.run([sys.argv[1], "-c", "pass"])
+    os.umask(0o077)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus[-1:])
+    os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    if sys.argv[3] == "plain":
+        out = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        print(out.stdout, end="")
+    else:
+        try:
+            result = launcher.run(args)
+            print(result.stdout, end="")
+            print("via", result.via, result.reason)
+        finally:
+            launcher.close()
+    """)
+
+
+def caller_runs(code, how, modules="json"):
+    """A caller with other attributes than the test's (and than its zygote's) runs ``code``."""
+    env = fresh_env(PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([PY, "-c", CALLER, PY, code, how, modules], env=env, timeout=300,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert out.returncode == 0, out.stdout
+    return out.stdout
+
+
+def test_process_attributes_are_the_callers_at_call_time():
+    ref = caller_runs(ATTRIBUTES, "plain")
+    got = caller_runs(ATTRIBUTES, "launcher")
+    assert "via zygote" in got
+    assert got.replace(got.splitlines()[-1] + "\n", "") == ref
+
+
+@pytest.mark.needs_torch
+def test_torch_threads_follow_the_callers_cpu_set():
+    code = "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())"
+    ref = caller_runs(code, "plain")
+    got = caller_runs(code, "launcher", "torch")
+    assert "via zygote" in got
+    assert got.splitlines()[0] == ref.strip()
+
+
+def test_a_shell_steps_python_gets_the_shells_attributes(light):
+    """``(umask 077; ulimit -n 512; trap '' HUP; python3 …)`` in a shell step: its python is
+    forked through its stand-in, with the shell's attributes."""
+    script = f"umask 077; ulimit -n 512; trap '' HUP; python3 -c '{ATTRIBUTES}'"
+    env = fresh_env(PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    before = light.standin_steps()
+    ref, got = both(light, ["bash", "-c", script], env=env)
+    assert light.standin_steps() == before + 1, got.reason
+    assert got.stdout == ref.stdout and "0o77" in ref.stdout and "SIGHUP" in ref.stdout
