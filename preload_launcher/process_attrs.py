@@ -20,39 +20,37 @@ RLIMITS = sorted(name for name in dir(resource) if name.startswith("RLIMIT_"))
 RESTORED = {signal.SIGPIPE, getattr(signal, "SIGXFSZ", signal.SIGPIPE)}
 
 
-def _status_field(name: str) -> Optional[str]:
+def _status() -> dict[str, str]:
+    """This thread's ``/proc`` status fields ({} without ``/proc``)."""
     try:
         with open("/proc/thread-self/status") as f:
-            for line in f:
-                if line.startswith(name + ":"):
-                    return line.split()[1]
+            return dict(line.split(":", 1) for line in f if ":" in line)
     except OSError:
-        pass
-    return None
+        return {}
 
 
-def _umask() -> int:
-    value = _status_field("Umask")
-    if value is not None:
-        return int(value, 8)
+def _umask(status: dict[str, str]) -> int:
+    if "Umask" in status:
+        return int(status["Umask"], 8)
     mask = os.umask(0)  # no /proc: the classic dance (briefly 0 for other threads)
     os.umask(mask)
     return mask
 
 
-def _ignored_signals() -> list[int]:
-    mask = int(_status_field("SigIgn") or "0", 16)
+def _ignored_signals(status: dict[str, str]) -> list[int]:
+    mask = int(status.get("SigIgn", "0"), 16)
     return [s for s in range(1, 65) if mask >> (s - 1) & 1 and s not in RESTORED]
 
 
 def capture() -> dict:
     """This process's (this thread's, for the signal mask) attributes, as plain data."""
+    status = _status()
     return {
-        "umask": _umask(),
+        "umask": _umask(status),
         "rlimits": {name: list(resource.getrlimit(getattr(resource, name))) for name in RLIMITS},
         "affinity": sorted(os.sched_getaffinity(0)),
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
-        "ignored_signals": _ignored_signals(),
+        "ignored_signals": _ignored_signals(status),
         "blocked_signals": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     }
 
@@ -73,17 +71,22 @@ def _quietly(call, *args) -> None:
 
 
 def apply(attrs: dict) -> None:
-    """Take on the caller's attributes (a fresh interpreter's start-up keeps them all; python
-    then sets SIGINT's handler unless SIGINT was ignored)."""
+    """Take on the caller's attributes where they differ from this process's (a fresh
+    interpreter's start-up keeps them all; python then sets SIGINT's handler unless SIGINT
+    was ignored)."""
     if not attrs:
         return
     os.umask(attrs["umask"])
-    for name, (soft, hard) in attrs["rlimits"].items():
-        if hasattr(resource, name):
-            _quietly(resource.setrlimit, getattr(resource, name), (soft, hard))
-    _quietly(os.sched_setaffinity, 0, attrs["affinity"])
-    _quietly(os.setpriority, os.PRIO_PROCESS, 0, attrs["nice"])
+    for name, limits in attrs["rlimits"].items():
+        which = getattr(resource, name, None)
+        if which is not None and list(resource.getrlimit(which)) != limits:
+            _quietly(resource.setrlimit, which, tuple(limits))
+    if affinity_change(attrs):
+        _quietly(os.sched_setaffinity, 0, attrs["affinity"])
+    if os.getpriority(os.PRIO_PROCESS, 0) != attrs["nice"]:
+        _quietly(os.setpriority, os.PRIO_PROCESS, 0, attrs["nice"])
     for signum in attrs["ignored_signals"]:
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
             _quietly(signal.signal, signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, attrs["blocked_signals"])
+    if attrs["blocked_signals"] or signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        signal.pthread_sigmask(signal.SIG_SETMASK, attrs["blocked_signals"])

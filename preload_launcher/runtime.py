@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import fcntl
+import gc
 import os
 import resource
 import signal
@@ -32,7 +33,7 @@ __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit
 
 PR_SET_PDEATHSIG = 1
 REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
-REPORT_FD_CAP = 1 << 16  # ... at the top of the fd range (within the first 64 Ki numbers)
+REPORT_FD_CAP = 1024  # ... at the top of the fd range, or of the first 1024 numbers (select's)
 
 _report_fd: Optional[int] = None  # where this process reports its exit code (see report_exit)
 _report_pid = 0  # the process that owns it: a fork of the step inherits the fd, not the duty
@@ -282,6 +283,9 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     fds, environment, locale, cwd, random seeds. Raises OSError for cwd and stdio problems.
     Returns the LC_CTYPE locale the environment selects (before PEP 538's coercion)."""
     die_with_parent()
+    # The zygote's objects made since its image was frozen join it: a collection in the step
+    # (its own, or at exit) then never writes to their pages (a copy-on-write fault each).
+    gc.freeze()
     restore_signals(state.signal_handlers)
     cpus = process_attrs.affinity_change(spec.process)  # before taking the caller's on
     process_attrs.apply(spec.process)

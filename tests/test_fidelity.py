@@ -264,7 +264,7 @@ def test_a_relative_pythonpath_is_resolved_against_the_steps_cwd(light, tmp_path
 FDS = textwrap.dedent("""\
     import os, resource
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    report = min(soft, 1 << 16) - 1
+    report = min(soft, 1024) - 1
     print(sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) != report))
     """)
 
@@ -281,7 +281,7 @@ def test_a_program_that_takes_the_report_fd_keeps_its_file(light, tmp_path):
     the program wrote, and the exit code still arrives."""
     code = textwrap.dedent(f"""\
         import os, resource, sys
-        top = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16) - 1
+        top = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1024) - 1
         fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         for n in (top, 100):
             os.dup2(fd, n)
