@@ -78,6 +78,16 @@ def _start_tracemalloc(xoption, env_value: Optional[str]) -> None:
         tracemalloc.start(frames)
 
 
+def _show_code_in_tracebacks(code: str) -> None:
+    """Python 3.13+ keeps ``-c``'s code in linecache so tracebacks show its lines: there the
+    zygote's own start-up code sits, and the step's takes its place."""
+    linecache = sys.modules.get("linecache")
+    entry = linecache.cache.get("<string>") if linecache else None
+    if entry is not None and len(entry) == 4:
+        linecache.cache["<string>"] = (len(code), entry[1],
+                                       [line + "\n" for line in code.splitlines()], entry[3])
+
+
 def run_target(target: PythonTarget) -> int:
     """Run the target as python's main would; returns the exit code (or ends by signal)."""
     main = _fresh_main(target)
@@ -98,6 +108,7 @@ def run_target(target: PythonTarget) -> int:
                 return 2
             exec(code, main.__dict__)
         else:
+            _show_code_in_tracebacks(target.value)
             exec(compile(target.value, "<string>", "exec"), main.__dict__)
         return 0
     except SystemExit as exc:

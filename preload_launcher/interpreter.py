@@ -64,7 +64,8 @@ def startup_flags(env: Mapping[str, str], ctype_locale: Optional[str] = None) ->
         flags["warn_default_encoding"] = int(_value(env, "PYTHONWARNDEFAULTENCODING") is not None)
     if hasattr(sys.flags, "int_max_str_digits"):
         digits = _value(env, "PYTHONINTMAXSTRDIGITS")
-        flags["int_max_str_digits"] = int(digits) if digits and digits.isdigit() else -1
+        default = -1 if sys.version_info < (3, 12) else sys.int_info.default_max_str_digits
+        flags["int_max_str_digits"] = int(digits) if digits and digits.isdigit() else default
     utf8 = _utf8_mode(env, ctype_locale)
     if utf8 is not None:
         flags["utf8_mode"] = utf8
