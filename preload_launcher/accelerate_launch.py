@@ -76,7 +76,7 @@ def run_accelerate(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int) -> 
     try:
         return _serve(spec, state, conn_fd)
     finally:
-        learn.report_step_imports(before, state.learn_reports_dir, state.project)
+        learn.report_step_imports(before, state.learn_reports_dir, state.project, state.base_path)
 
 
 def _serve(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int) -> int:

@@ -18,7 +18,7 @@ import types
 import warnings
 from typing import Optional
 
-from . import interpreter, learn, protocol, runtime, script, stdio
+from . import deferral, interpreter, learn, protocol, runtime, script, shadowing, stdio
 from .command import PythonTarget
 
 __all__ = ["run_python_step"]
@@ -143,6 +143,8 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     stdio.install_fresh_streams(
         target.unbuffered or interpreter.env_flag(os.environ, "PYTHONUNBUFFERED") > 0, os.environ)
     apply_interpreter_options(target, state.base_path)
+    shadowing.drop_shadowed(sys.path)  # the step's own modules win, as in a fresh interpreter
+    deferral.replay_eager()  # with the step's sys.path, so its own modules are found
     start_coverage_if_requested()
     sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)
     if conn_fd is not None:
@@ -150,7 +152,8 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
         runtime.keep_for_exit_report(conn_fd)
     modules_before = set(sys.modules)
     code = run_target(target)
-    learn.report_step_imports(modules_before, state.learn_reports_dir, state.project)
+    learn.report_step_imports(modules_before, state.learn_reports_dir, state.project,
+                              state.base_path)
     return runtime.finish(code)
 
 

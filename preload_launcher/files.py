@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import shutil
+import time
 from typing import Optional
 
-__all__ = ["read_json", "write_json", "unlink_all", "zygote_files", "remove_all"]
+__all__ = ["read_json", "write_json", "unlink_all", "zygote_files", "remove_all", "lock_file"]
 
 
 def read_json(path: str) -> Optional[dict]:
@@ -39,6 +40,8 @@ def unlink_all(*paths: str) -> None:
 
 def remove_all(*paths: str) -> None:
     """Remove files and directories (the stand-ins' directory) that may be gone already."""
+    import shutil  # here: shutil loads the compression modules, which `run` never needs
+
     for path in paths:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -52,4 +55,27 @@ def zygote_files(socket_path: str) -> dict[str, str]:
     writes."""
     base = socket_path[:-len(".sock")]
     return {"socket": socket_path, "log": base + ".log", "standins": base + ".bin",
-            "meta": base + ".json"}
+            "meta": base + ".json", "lock": base + ".lock"}
+
+
+def lock_file(path: str, wait_s: float = 0.0) -> Optional[int]:
+    """An fd holding an exclusive ``flock`` on ``path`` (created 0600), or None when another
+    process holds it for ``wait_s`` seconds. Whoever holds the lock may unlink the file: a lock
+    taken on a file that was unlinked (or replaced) meanwhile is dropped and taken again."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+            continue
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)

@@ -13,13 +13,13 @@ own tree are never learned (they change between runs), nor anything the zygote r
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from .files import read_json, unlink_all, write_json
+from .identity import interpreter_key
 
 __all__ = ["Profile", "profile_key", "report_step_imports"]
 
@@ -27,8 +27,9 @@ MAX_LEARNED = 5000  # most frequently seen modules kept; the rest are dropped
 
 
 def profile_key(project: str) -> str:
-    """One profile per interpreter and project; package versions are checked inside it."""
-    return hashlib.sha256(f"{sys.executable}\n{project}".encode()).hexdigest()[:16]
+    """One profile per interpreter (``identity``: any of its names) and project; package
+    versions are checked inside it."""
+    return interpreter_key(project)
 
 
 class Profile:
@@ -53,6 +54,7 @@ class Profile:
         stale = bool(self.data["fingerprint"]) and self.data["fingerprint"] != fingerprint
         if stale:
             self.data["modules"] = {}
+            self.data["guards_deferred"] = []  # what the zygote had to leave to the steps
         self.data["fingerprint"] = fingerprint
         return stale
 
@@ -107,6 +109,10 @@ class Profile:
             if module not in forgotten:
                 self.data["modules"].setdefault(module, {"count": 1, "seconds": None})
 
+    def drop(self, module: str) -> None:
+        """Unlearn a module (the zygote failed to import it); steps may teach it again."""
+        self.data["modules"].pop(module, None)
+
     def record_cost(self, module: str, seconds: float) -> None:
         entry = self.data["modules"].get(module)
         if entry is not None:
@@ -133,14 +139,48 @@ def _from_project(module, roots: tuple[str, ...]) -> bool:
     return os.path.realpath(path).startswith(roots)
 
 
-def report_step_imports(before: set[str], reports_dir: Optional[str], project: str) -> None:
-    """At a step's exit: write the names of modules it imported (not from the project's tree)."""
+def _zygote_can_import(module, zygote_path: set[str], step_only: set[str]) -> bool:
+    """Would the zygote import this top-level module from the same place? Not when it was found
+    through a ``sys.path`` entry the zygote lacks (``step_only``): the step's script folder or
+    cwd (a namespace package without ``__file__`` included), or a folder a library appended at
+    run time (onnxruntime's helpers), where a step's own file should win. Modules found by a
+    finder of their own (editable installs) are found by the zygote's finder too."""
+    path = getattr(module, "__file__", None)
+    if path:
+        folder = os.path.dirname(path)
+        if hasattr(module, "__path__"):
+            folder = os.path.dirname(folder)
+        folders = {os.path.abspath(folder)}
+    else:
+        portions = getattr(module, "__path__", None)
+        if portions is None:
+            return True  # built-in or frozen
+        folders = {os.path.abspath(os.path.dirname(p)) for p in list(portions)}
+    return bool(folders & zygote_path) or not folders & step_only
+
+
+def report_step_imports(before: set[str], reports_dir: Optional[str], project: str,
+                        zygote_path: Sequence[str]) -> None:
+    """At a step's exit: write the names of modules it imported that the zygote can import
+    (found through ``zygote_path``, its ``sys.path``) and that are not from the project's tree."""
     if not reports_dir:
         return
     roots = tuple(os.path.join(os.path.realpath(p), "") for p in {project, os.getcwd()}
                   if p and os.path.realpath(p) != "/")
-    names = [name for name, module in list(sys.modules.items())
-             if name not in before and name != "__main__" and not _from_project(module, roots)]
+    importable = {os.path.abspath(p) for p in zygote_path}
+    step_only = {os.path.abspath(p) for p in sys.path if isinstance(p, str)} - importable
+    verdicts: dict[str, bool] = {}  # per top-level package
+    names = []
+    for name, module in list(sys.modules.items()):
+        if name in before or name == "__main__" or _from_project(module, roots):
+            continue
+        top = name.partition(".")[0]
+        if top not in verdicts:
+            top_module = sys.modules.get(top)
+            verdicts[top] = top_module is not None and _zygote_can_import(top_module, importable,
+                                                                           step_only)
+        if verdicts[top]:
+            names.append(name)
     if not names:
         return
     try:

@@ -130,12 +130,10 @@ class PreloadReport:
 
 class _CulpritHook:
     """Wraps ``__import__`` to catch the first import after which the driver is initialised,
-    and keeps the live stack of imports (what each was, who asked, for which names)."""
+    and the chain of modules that were importing it."""
 
     def __init__(self, probe: DriverProbe) -> None:
         self.probe = probe
-        self.stack: list[str] = []
-        self.frames: list[tuple] = []  # (module, importer, fromlist), parallel to ``stack``
         self.culprit = ""
         self.chain: list[str] = []
         self._original = builtins.__import__
@@ -148,17 +146,13 @@ class _CulpritHook:
                                                     (globals or {}).get("__package__") or "")
             except (ImportError, ValueError):
                 pass
-        self.stack.append(label)
-        self.frames.append((label, (globals or {}).get("__name__", ""), tuple(fromlist or ())))
         try:
             return self._original(name, globals, locals, fromlist, level)
         finally:
-            self.stack.pop()
-            self.frames.pop()
             threads.pin_for_preload()  # torch's pool at one thread as soon as torch is here
             if not self.culprit and self.probe.initialized():
                 self.culprit = label
-                self.chain = _dedupe(self.stack + [label])
+                self.chain = _dedupe(_modules_being_imported() + [label])
 
     def __enter__(self):
         builtins.__import__ = self
@@ -166,6 +160,19 @@ class _CulpritHook:
 
     def __exit__(self, *exc):
         builtins.__import__ = self._original
+
+
+def _modules_being_imported() -> list[str]:
+    """The modules whose top level runs on this thread's stack, outermost first: the chain of
+    importers however each import was spelt (``from . import x`` and ``importlib.import_module``
+    never call ``__import__`` for ``x``)."""
+    names = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") != "__main__":
+            names.append(frame.f_globals.get("__name__", ""))
+        frame = frame.f_back
+    return names[::-1]
 
 
 def _dedupe(names: list[str]) -> list[str]:
@@ -184,17 +191,12 @@ def import_entry(module: str, probe: DriverProbe, blocker: Optional[Blocker] = N
     threads.pin_for_preload()
     start = time.perf_counter()
     with _CulpritHook(probe) as hook:
-        if blocker is not None:
-            blocker.frames = hook.frames
         try:
             importlib.import_module(module)
             report.ok = True
         except BaseException as exc:  # a failed preload is reported, never fatal
             report.error = f"{type(exc).__name__}: {exc}"
             report.missing = getattr(exc, "name", None) or "" if isinstance(exc, ImportError) else ""
-        finally:
-            if blocker is not None:
-                blocker.frames = None
     report.seconds = round(time.perf_counter() - start, 3)
     report.native_threads_added = sum(native_threads().values()) - threads_before
     report.python_threads = [t.name for t in threading.enumerate()
@@ -291,15 +293,15 @@ def unguarded_verdict(entry: EntryReport, skip: dict) -> dict:
 
 
 def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
-                    keep_going: Callable[[], bool] = lambda: True
-                    ) -> tuple[dict, Optional[EntryReport]]:
+                    keep_going: Callable[[], bool] = lambda: True,
+                    blocker: Optional[Blocker] = None) -> tuple[dict, Optional[EntryReport]]:
     """Import learned modules until the time budget is spent or ``keep_going()`` says stop;
-    stop at the first dirty one.
+    stop at the first dirty one. One that tries a deferred package is not kept (``blocker``).
 
     Returns a summary (with each module's cost) and, when one made the process unfit to fork,
     its report."""
     summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
-               "costs": {}}
+               "costs": {}, "guards_deferred": [], "failed_modules": []}
     start = time.perf_counter()
     dirty = None
     with cuda_safe_imports():
@@ -313,14 +315,35 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
             if not keep_going():
                 summary["interrupted"] = True
                 break
+            blocked_before = len(blocker.stacks) if blocker is not None else 0
             entry = import_entry(module, probe)
+            if blocker is not None and unimport_blocked(blocker, blocked_before, module):
+                summary["guards_deferred"].append(module)
+                continue
             summary["loaded" if entry.ok else "failed"] += 1
             summary["costs"][module] = entry.seconds
+            if not entry.ok:
+                summary["failed_modules"].append(module)
             if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
                 dirty = entry
                 break
     summary["seconds"] = round(time.perf_counter() - start, 3)
     return summary, dirty
+
+
+def unimport_blocked(blocker: Blocker, blocked_before: int, module: str) -> bool:
+    """A learned module whose import tried a deferred package (``try: import fakegeo / except
+    ImportError: HAVE_GEO = False``) would keep what the block made of it in every step: the
+    modules on the way to the blocked import that this import loaded are taken out of
+    ``sys.modules`` again, so steps import them fresh. True if there were any."""
+    stacks = blocker.stacks[blocked_before:]
+    if not stacks:
+        return False
+    del blocker.stacks[blocked_before:]  # no cut to replay: the step imports them itself
+    on_the_way = {frame.module for _, _, frames in stacks for frame in frames if frame.is_module}
+    for name in on_the_way | {module}:
+        sys.modules.pop(name, None)
+    return True
 
 
 def verdict_for(entry: EntryReport) -> dict:
@@ -547,10 +570,16 @@ class Preloader:
         """Import the learned modules this process lacks while ``keep_going()`` and the budget
         (for the zygote's whole life) allow; raises ``Quarantined`` for a dirty one. The profile
         is saved when ``changed`` or when something was imported."""
-        modules = [m for m in self.profile.to_preload(exclude=set(self.config.modules))
+        exclude = set(self.config.modules) | set(self.profile.data.get("guards_deferred", []))
+        modules = [m for m in self.profile.to_preload(exclude=exclude)
                    if top_level(m) not in self.refused | self.blocker.packages]
         budget = self.config.learn_budget_s - self.learn_spent_s
-        summary, dirty = preload_learned(modules, self.probe, budget, keep_going)
+        summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker)
+        if summary["guards_deferred"]:  # not tried again by later zygotes
+            known = self.profile.data.setdefault("guards_deferred", [])
+            known.extend(m for m in summary["guards_deferred"] if m not in known)
+        for module in summary.pop("failed_modules"):  # what the zygote cannot import goes
+            self.profile.drop(module)
         self.learn_spent_s += summary["seconds"]
         summary["imported"] = len(summary["costs"])
         for module, seconds in summary.pop("costs").items():

@@ -13,7 +13,6 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 from typing import Optional
@@ -107,7 +106,7 @@ class Zygote:
 
     def reexec(self) -> None:
         """Re-execute: the pid, socket and pipes survive, the preloaded image does not."""
-        fds = [self.config.listen_fd, self.config.alive_fd]
+        fds = [self.config.listen_fd, self.config.alive_fd, self.config.lock_fd]
         if self.announced:
             os.environ[RESTARTED_ENV] = "1"  # the new image must not announce again
         else:
@@ -176,6 +175,8 @@ class Zygote:
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("SIGTERM"))
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the steps
         self.own_fds = [self.listener.fileno(), sig_r, sig_w, self.selector.fileno()]
+        if self.config.lock_fd >= 0:  # held for life; never by a child
+            self.own_fds.append(self.config.lock_fd)
         if self.config.alive_fd >= 0:
             self.own_fds.append(self.config.alive_fd)
             self.selector.register(self.config.alive_fd, selectors.EVENT_READ, "alive")
@@ -257,9 +258,12 @@ class Zygote:
 
     def remove_files(self) -> None:
         """A zygote that stopped as asked (or because its starter went away) leaves nothing
-        behind: its socket, spawn proxy and log, and a daemon's metadata while it names us."""
+        behind: its socket, spawn proxy and log, and a daemon's metadata and lock while it
+        holds the lock (no other daemon of its name can have started: the files are its own;
+        the lock file goes last, while still held)."""
         files = zygote_files(self.config.socket_path)
-        if not self.config.daemon or (read_json(files["meta"]) or {}).get("pid") == os.getpid():
+        if not self.config.daemon or self.config.lock_fd >= 0 or \
+                (read_json(files["meta"]) or {}).get("pid") == os.getpid():
             remove_all(*files.values())
 
     def idle_left(self) -> Optional[float]:
@@ -279,7 +283,7 @@ class Zygote:
         except OSError:
             return
         try:
-            if not _peer_is_same_user(conn):
+            if protocol.peer_uid(conn) != os.getuid():
                 say("refused a connection from another uid")
                 protocol.send_event(conn, "refused", reason="peer uid differs")
                 conn.close()
@@ -504,12 +508,6 @@ class Zygote:
 def _send_error(conn: socket.socket, message: str) -> None:
     protocol.send_event(conn, "error", type="LauncherError", errno=None, strerror=message,
                         filename=None)
-
-
-def _peer_is_same_user(conn: socket.socket) -> bool:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid()
 
 
 def main(config_json: str, base_path: list[str]) -> None:
