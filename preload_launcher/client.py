@@ -27,7 +27,7 @@ from . import cuda, process_attrs, protocol, settings, standin
 from .command import StepSpec, Unsupported, parse_command, resolves_to_this_interpreter
 from .files import remove_all, unlink_all, zygote_files
 from .gpus import pool_ids as gpu_pool_ids
-from .interpreter import ZYGOTE_CWD
+from .interpreter import ZYGOTE_CWD, import_env_mismatch
 from .result import LauncherError, StepResult, ZygoteDied
 from .settings import Settings, ZygoteConfig
 
@@ -253,7 +253,7 @@ class ZygoteProcess:
         return dict(self.status.get("preload", {}).get("import_env", {}))
 
     def env_mismatch(self, env: Mapping[str, str]) -> list[str]:
-        return settings.import_env_mismatch(self.import_env, env)
+        return import_env_mismatch(self.import_env, env)
 
     def matches(self, env: Mapping[str, str]) -> bool:
         return not self.env_mismatch(env)

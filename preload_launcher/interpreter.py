@@ -9,12 +9,12 @@ process (``startup_mismatch`` in the child says why).
 
 from __future__ import annotations
 
-import locale
 import os
 import sys
 from typing import Mapping, Optional
 
-__all__ = ["env_flag", "startup_flags", "zygote_flags", "flags_differ", "startup_mismatch",
+__all__ = ["env_flag", "startup_flags", "zygote_flags", "flags_differ", "import_env_mismatch",
+           "startup_mismatch",
            "FLAG_PREFIX",
            "apply_locale", "ctype_is_c_like", "step_base_path"]
 
@@ -93,6 +93,16 @@ def flags_differ(recorded: Mapping[str, Optional[int]], env: Mapping[str, str]) 
             if key.startswith(FLAG_PREFIX) and wanted.get(key[len(FLAG_PREFIX):], value) != value]
 
 
+def import_env_mismatch(import_env: Mapping[str, Optional[str]],
+                        env: Mapping[str, str]) -> list[str]:
+    """The import-relevant variables whose value in ``env`` differs from a preload's
+    (``preload.import_env``), and the start-up flags (``sys.flags.X``) a fresh interpreter
+    would take otherwise from ``env``: a zygote serves only steps where this is empty."""
+    flags = FLAG_PREFIX
+    return sorted([k for k, v in import_env.items() if not k.startswith(flags) and env.get(k) != v]
+                  + flags_differ(import_env, env))
+
+
 def startup_mismatch(env: Mapping[str, str], ctype_locale: Optional[str]) -> list[str]:
     """The start-up flags ``env`` asks for that this (forked) interpreter does not have."""
     wanted = startup_flags(env, ctype_locale)
@@ -103,6 +113,7 @@ def startup_mismatch(env: Mapping[str, str], ctype_locale: Optional[str]) -> lis
 def _locale_from_env() -> str:
     """Set LC_CTYPE from the environment, as python does at start-up (a locale that does not
     exist leaves "C"); returns its name."""
+    import locale  # the child's business: the client's start-up need not pay for it
     try:
         return locale.setlocale(locale.LC_CTYPE, "")
     except locale.Error:
@@ -120,6 +131,7 @@ def apply_locale(coerce) -> str:
 
 
 def ctype_is_c_like() -> bool:
+    import locale
     return locale.setlocale(locale.LC_CTYPE) in C_LIKE_LOCALES
 
 

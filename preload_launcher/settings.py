@@ -13,7 +13,6 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
-from . import interpreter
 from .rundir import private_runtime_dir
 
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "SettingsError", "ZygoteConfig",
@@ -217,15 +216,6 @@ def preload_source(explicit: Optional[str] = None, ini: Optional[str] = None,
     if Settings.from_env(environ).modules is not None:
         return "PRELOAD_LAUNCHER_MODULES"
     return "the preload_launcher_modules ini option" if ini is not None else ""
-
-
-def import_env_mismatch(import_env: Mapping[str, Optional[str]],
-                        env: Mapping[str, str]) -> list[str]:
-    """The import-relevant variables whose value in ``env`` differs from a preload's, and the
-    start-up flags (``sys.flags.X``) a fresh interpreter would take otherwise from ``env``."""
-    flags = interpreter.FLAG_PREFIX
-    return sorted([k for k, v in import_env.items() if not k.startswith(flags) and env.get(k) != v]
-                  + interpreter.flags_differ(import_env, env))
 
 
 def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:

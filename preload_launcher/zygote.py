@@ -24,8 +24,8 @@ from .files import read_json, remove_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
                       hint_holds)
 from .prewarm import WarmPool
-from .settings import (QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig,
-                       import_env_mismatch)
+from .interpreter import import_env_mismatch
+from .settings import QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
 
 __all__ = ["main"]
 
