@@ -18,36 +18,15 @@ import types
 import warnings
 from typing import Optional
 
-from . import deferral, learn, protocol, runtime, shadowing
+from . import deferral, interpreter, learn, protocol, runtime, script, shadowing, stdio
 from .command import PythonTarget
 
 __all__ = ["run_python_step"]
 
 
-def configure_stdio(target: PythonTarget, env: dict[str, str]) -> None:
-    """Buffering as a fresh interpreter sets it. The zygote runs with ``-u`` (raw binary
-    layer), so a write-through text layer is truly unbuffered and a buffered one is not."""
-    unbuffered = target.unbuffered or bool(env.get("PYTHONUNBUFFERED"))
-    encoding, _, errors = env.get("PYTHONIOENCODING", "").partition(":")
-    for stream, is_err in ((sys.stdout, False), (sys.stderr, True)):
-        if stream is None:
-            continue
-        if unbuffered:
-            options = {"line_buffering": False, "write_through": True}
-        else:
-            options = {"line_buffering": is_err or os.isatty(stream.fileno()),
-                       "write_through": False}
-        if encoding:
-            options["encoding"] = encoding
-        if errors and not is_err:
-            options["errors"] = errors
-        try:
-            stream.reconfigure(**options)
-        except (AttributeError, ValueError, LookupError):
-            pass
-
-
 def _path0(target: PythonTarget) -> Optional[str]:
+    if target.kind == "script" and script.is_main_importer(script.script_path(target.value)):
+        return script.script_path(target.value)  # where __main__ is imported from, even with -P
     if os.environ.get("PYTHONSAFEPATH"):
         return None
     if target.kind == "script":
@@ -60,10 +39,9 @@ def _fresh_main(target: PythonTarget) -> types.ModuleType:
     main.__dict__.update(__builtins__=__import__("builtins"), __annotations__={},
                          __spec__=None, __package__=None)
     if target.kind == "script":
-        path = target.value if target.file_as_given else os.path.abspath(target.value)
-        main.__file__ = path
-        main.__cached__ = None
-        main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+        # torchrun --run-path keeps the path as given (runpy.run_path); python joins it to cwd.
+        path = target.value if target.file_as_given else script.script_path(target.value)
+        script.set_up_main(main, path)
     else:
         main.__loader__ = importlib.machinery.BuiltinImporter
     sys.modules["__main__"] = main
@@ -72,12 +50,14 @@ def _fresh_main(target: PythonTarget) -> types.ModuleType:
 
 def apply_interpreter_options(target: PythonTarget, base_path: list[str]) -> None:
     path0 = _path0(target)
+    base_path = interpreter.step_base_path(base_path, os.environ.get("PYTHONPATH", ""),
+                                           interpreter.ZYGOTE_CWD, os.getcwd())
     sys.path[:] = ([path0] if path0 is not None else []) + list(base_path)
     sys.argv = [target.value if target.kind == "script" else f"-{target.kind[0]}", *target.args]
     if target.executable:
         sys.executable = target.executable
-    sys.dont_write_bytecode = target.dont_write_bytecode or bool(
-        os.environ.get("PYTHONDONTWRITEBYTECODE"))
+    sys.dont_write_bytecode = target.dont_write_bytecode or (
+        interpreter.env_flag(os.environ, "PYTHONDONTWRITEBYTECODE") > 0)
     for option in target.warnoptions:
         sys.warnoptions.append(option)
         warnings._setoption(option)  # type: ignore[attr-defined]
@@ -86,35 +66,55 @@ def apply_interpreter_options(target: PythonTarget, base_path: list[str]) -> Non
         sys._xoptions[name] = value or True  # type: ignore[attr-defined]
     if "faulthandler" in sys._xoptions or os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
-    if "tracemalloc" in sys._xoptions:
+    _start_tracemalloc(sys._xoptions.get("tracemalloc"), os.environ.get("PYTHONTRACEMALLOC"))
+
+
+def _start_tracemalloc(xoption, env_value: Optional[str]) -> None:
+    """``-X tracemalloc[=N]`` or ``PYTHONTRACEMALLOC=N`` (the option wins), from here on."""
+    if xoption is None and not env_value:
+        return
+    frames = xoption if xoption is not None else env_value
+    frames = 1 if frames is True else int(frames)
+    if frames > 0:  # PYTHONTRACEMALLOC=0: off
         import tracemalloc
-        tracemalloc.start(int(sys._xoptions["tracemalloc"]) if sys._xoptions["tracemalloc"] is not True else 1)
+        tracemalloc.start(frames)
+
+
+def _show_code_in_tracebacks(code: str) -> None:
+    """Python 3.13+ keeps ``-c``'s code in linecache so tracebacks show its lines: there the
+    zygote's own start-up code sits, and the step's takes its place."""
+    linecache = sys.modules.get("linecache")
+    entry = linecache.cache.get("<string>") if linecache else None
+    if entry is not None and len(entry) == 4:
+        linecache.cache["<string>"] = (len(code), entry[1],
+                                       [line + "\n" for line in code.splitlines()], entry[3])
 
 
 def run_target(target: PythonTarget) -> int:
     """Run the target as python's main would; returns the exit code (or ends by signal)."""
     main = _fresh_main(target)
     try:
-        if target.kind == "module":
+        if target.kind == "module" or (target.kind == "script"
+                                       and script.is_main_importer(main.__file__)):
+            # -m, or a directory/zip whose __main__ python runs from sys.path[0]
             import runpy
-            runpy._run_module_as_main(target.value, alter_argv=True)  # type: ignore[attr-defined]
-        else:
-            if target.kind == "script":
-                try:
-                    with open(target.value, "rb") as f:
-                        source = f.read()
-                except OSError as err:
-                    print(f"{target.prog}: can't open file {os.path.abspath(target.value)!r}: "
-                          f"[Errno {err.errno}] {err.strerror}", file=sys.stderr)
-                    return 2
-                filename = main.__file__
-            else:
-                source, filename = target.value, "<string>"
-            code = compile(source, filename, "exec")
+            runpy._run_module_as_main(  # type: ignore[attr-defined]
+                target.value if target.kind == "module" else "__main__",
+                alter_argv=target.kind == "module")
+        elif target.kind == "script":
+            try:
+                code = script.code_of(main.__file__)
+            except OSError as err:
+                print(f"{target.prog}: can't open file {main.__file__!r}: "
+                      f"[Errno {err.errno}] {err.strerror}", file=sys.stderr)
+                return 2
             exec(code, main.__dict__)
+        else:
+            _show_code_in_tracebacks(target.value)
+            exec(compile(target.value, "<string>", "exec"), main.__dict__)
         return 0
     except SystemExit as exc:
-        return _system_exit_code(exc)
+        return runtime.exit_status_of(exc)
     except BaseException as exc:
         # Drop this frame so the traceback reads as python's own.
         exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ else None
@@ -122,19 +122,6 @@ def run_target(target: PythonTarget) -> int:
         if isinstance(exc, KeyboardInterrupt):
             return -signal.SIGINT
         return 1
-
-
-def _system_exit_code(exc: SystemExit) -> int:
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    try:
-        print(code, file=sys.stderr)
-    except Exception:
-        pass
-    return 1
 
 
 def start_coverage_if_requested() -> None:
@@ -155,7 +142,8 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     """Apply interpreter options, announce the start, run the target, shut down like python;
     returns the exit code. ``conn_fd``: the caller's connection (None for a rank, which already
     reports to its agent)."""
-    configure_stdio(target, dict(os.environ))
+    stdio.install_fresh_streams(
+        target.unbuffered or interpreter.env_flag(os.environ, "PYTHONUNBUFFERED") > 0, os.environ)
     apply_interpreter_options(target, state.base_path)
     shadowing.drop_shadowed(sys.path)  # the step's own modules win, as in a fresh interpreter
     deferral.replay_eager()  # with the step's sys.path, so its own modules are found

@@ -23,10 +23,11 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence, Union
 
-from . import cuda, protocol, settings, standin
+from . import cuda, process_attrs, protocol, settings, standin
 from .command import StepSpec, Unsupported, parse_command, resolves_to_this_interpreter
 from .files import remove_all, unlink_all, zygote_files
 from .gpus import pool_ids as gpu_pool_ids
+from .interpreter import ZYGOTE_CWD, import_env_mismatch
 from .result import LauncherError, StepResult, ZygoteDied
 from .settings import Settings, ZygoteConfig
 
@@ -119,7 +120,7 @@ class ZygoteProcess:
                 self.process = subprocess.Popen(
                     [sys.executable, "-u", "-c", BOOTSTRAP, PACKAGE_PARENT, config.to_json()],
                     env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    pass_fds=pass_fds, start_new_session=True, cwd="/")
+                    pass_fds=pass_fds, start_new_session=True, cwd=ZYGOTE_CWD)
         finally:
             listener.close()
             os.close(ready_w)
@@ -252,7 +253,7 @@ class ZygoteProcess:
         return dict(self.status.get("preload", {}).get("import_env", {}))
 
     def env_mismatch(self, env: Mapping[str, str]) -> list[str]:
-        return settings.import_env_mismatch(self.import_env, env)
+        return import_env_mismatch(self.import_env, env)
 
     def matches(self, env: Mapping[str, str]) -> bool:
         return not self.env_mismatch(env)
@@ -544,6 +545,7 @@ class Launcher:
         if isinstance(parsed, Unsupported):
             return self._run_with_standins(args, cwd, step_env, step_cwd, timeout, check, echo,
                                            parsed.reason, wanted.nested)
+        parsed.process = process_attrs.capture()  # what a subprocess would inherit, as of now
         waiting = time.monotonic()
         try:
             zygote = self.zygote_for(step_env)

@@ -17,8 +17,9 @@ from typing import Optional, Union
 
 __all__ = ["StepSpec", "PythonTarget", "Unsupported", "parse_command", "parse_python_argv"]
 
-# -X options that can be honoured in a forked child (others change interpreter start-up).
-APPLICABLE_XOPTIONS = ("faulthandler", "tracemalloc", "warn_default_encoding")
+# -X options that can be honoured in a forked child (others, warn_default_encoding among them,
+# set sys.flags at interpreter start-up).
+APPLICABLE_XOPTIONS = ("faulthandler", "tracemalloc")
 
 
 @dataclass
@@ -55,6 +56,9 @@ class StepSpec:
     stderr_file: str = ""
     # Torch's (intra, inter)-op threads in a fresh interpreter, by thread env (the zygote's).
     thread_counts: dict = field(default_factory=dict)
+    # The caller's umask, rlimits, CPU affinity, nice, ignored and blocked signals at call time
+    # (process_attrs), which a subprocess would inherit.
+    process: dict = field(default_factory=dict)
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -256,10 +260,9 @@ def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepS
     target = parse_python_argv(list(args))
     if isinstance(target, Unsupported):
         return target
+    if env.get("PYTHONVERBOSE"):
+        return Unsupported("PYTHONVERBOSE: a fresh interpreter reports every import, preloaded ones too")
     target.executable = _invoked_path(program, env, cwd)
-    if target.kind == "script" and not os.path.isfile(os.path.join(cwd, target.value)) \
-            and os.path.exists(os.path.join(cwd, target.value)):
-        return Unsupported("directory or archive as script")
     if target.kind == "module" and target.value == "torch.distributed.run":
         return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(target.args))
     if target.kind == "module" and target.value == "accelerate.commands.launch":

@@ -24,7 +24,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
-from . import learn, threads
+from . import interpreter, learn, runtime, threads
 from .verdicts import DEFER, LEARNED, SCOUTED, VerdictCache, package_fingerprint
 from .profiles import read_profile
 from .cuda import (PRELOAD_ENV, DriverProbe, cuda_safe_imports, nvml_device_count,
@@ -488,6 +488,9 @@ class Preloader:
                                                 RESTARTED_ENV}
         # What the imports saw, not what they left: some set variables while importing.
         report.import_env = {k: start_env.get(k) for k in sorted(keys)}
+        # And what sys.flags fixed at start-up from the environment (-O, dev mode, UTF-8, ...).
+        report.import_env.update({interpreter.FLAG_PREFIX + k: v
+                                  for k, v in interpreter.zygote_flags().items()})
         self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
         return report
 

@@ -66,7 +66,7 @@ def become_handed_step(sock: socket.socket, state: runtime.ZygoteState,
 class WarmPool:
     """Children forked ahead, by kind ("python", "torchrun")."""
 
-    def __init__(self, ranks: int, state: Callable[[], runtime.ZygoteState]) -> None:
+    def __init__(self, ranks: int, state: Callable[..., runtime.ZygoteState]) -> None:
         self.sizes = {"python": 1, "torchrun": ranks}
         self.state = state  # what a child needs of the zygote, as of the fork
         self.waiting: dict[str, Optional[WarmChild]] = {kind: None for kind in self.sizes}
@@ -80,7 +80,7 @@ class WarmPool:
 
     def _fork(self, kind: str, nproc: int) -> WarmChild:
         zygote_end, child_end = socket.socketpair()
-        state = self.state()
+        state = self.state(keep=[zygote_end.fileno(), child_end.fileno()])
 
         def body() -> int:
             zygote_end.close()

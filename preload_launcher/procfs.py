@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import resource
 
-__all__ = ["native_threads", "rss_kb", "fd_count", "tree_pss_kb"]
+__all__ = ["native_threads", "rss_kb", "fd_count", "open_fds", "tree_pss_kb"]
 
 
 def native_threads() -> dict[str, int]:
@@ -41,6 +41,18 @@ def fd_count() -> int:
         return len(os.listdir("/proc/self/fd"))
     except OSError:
         return -1
+
+
+def open_fds() -> set[int]:
+    """This process's open fds (without the one that listing them took)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.fstat(int(name))
+        except OSError:
+            continue  # the listing's own fd, closed by now
+        fds.add(int(name))
+    return fds
 
 
 def tree_pss_kb(pid: int) -> int:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import fcntl
+import gc
 import os
+import resource
 import signal
 import sys
 import threading
@@ -21,18 +23,21 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional
 
-from . import deferral, protocol, threads
+from . import deferral, interpreter, process_attrs, program_exit, protocol, threads
 from .command import StepSpec
+from .program_exit import exit_status_of
 from .settings import Settings
 
 __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
-           "exit_with", "die_with_parent", "close_fds"]
+           "exit_with", "exit_status_of", "die_with_parent", "close_fds"]
 
 PR_SET_PDEATHSIG = 1
 REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
+REPORT_FD_CAP = 1024  # ... at the top of the fd range, or of the first 1024 numbers (select's)
 
 _report_fd: Optional[int] = None  # where this process reports its exit code (see report_exit)
 _report_pid = 0  # the process that owns it: a fork of the step inherits the fd, not the duty
+_report_identity = (0, 0)  # its (st_dev, st_ino): the program may have replaced the fd since
 
 
 @dataclass
@@ -95,27 +100,25 @@ def exit_with(code: int) -> NoReturn:
 
 
 def flush_std_streams() -> bool:
-    """Flush ``sys.stdout`` and ``sys.stderr``; False when one could not be flushed."""
-    ok = True
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:
-            ok = False
-    return ok
+    """Flush ``sys.stdout`` and ``sys.stderr`` (closed ones left alone); False when one could
+    not be flushed."""
+    return program_exit.flush_std_streams()
 
 
 def finish(code: int) -> int:
-    """Python's shutdown minus module teardown: join threads, atexit, flush, report. Returns the
-    exit code for ``exit_with`` (120 when flushing the output failed, as python does)."""
+    """Python's shutdown minus the preloaded modules' teardown: join threads, atexit, flush,
+    end ``__main__``'s objects, flush again, report. Returns the exit code for ``exit_with``:
+    120 when flushing the output failed, as python does (a code < 0, death by signal, wins)."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:
         traceback.print_exc()
     atexit._run_exitfuncs()
-    if not flush_std_streams() and code == 0:
-        code = 120
+    flushed = program_exit.flush_std_streams(report=True)
+    program_exit.end_main_module()
+    flushed = program_exit.flush_std_streams(report=flushed) and flushed  # python says it once
+    if not flushed and code >= 0:
+        code = program_exit.FLUSH_FAILED
     report_exit(code)
     return code
 
@@ -124,24 +127,43 @@ def finish(code: int) -> int:
 
 def keep_for_exit_report(fd: int) -> None:
     """Keep ``fd`` (the caller's connection, or a rank's line to its agent) to report the exit
-    code on: moved out of the program's way and closed on exec, so spawned programs lack it."""
-    global _report_fd, _report_pid
+    code on: moved to the top of the fd range, out of the program's way, and closed on exec,
+    so spawned programs lack it. A program that closes or replaces it anyway (``dup2`` onto
+    it, ``closerange``) is noticed at exit: its file is left alone and the reaper reports."""
+    global _report_fd, _report_pid, _report_identity
     if _report_fd is not None:  # a rank forked by its agent: the agent's line is not ours
         os.close(_report_fd)
-    _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, REPORT_FD_MIN)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    top = min(soft if soft != resource.RLIM_INFINITY else REPORT_FD_CAP, REPORT_FD_CAP) - 1
+    try:
+        _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, max(top, REPORT_FD_MIN))
+    except OSError:  # the top is taken: the lowest free number above the usual ones
+        _report_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, REPORT_FD_MIN)
+    _report_identity = _identity(_report_fd)
     _report_pid = os.getpid()
     os.close(fd)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def report_exit(code: int) -> None:
     """Report the exit code now, before the kernel tears the process down (with a CUDA context,
     ~0.2 s the caller need not wait for). The step's output is closed first, so the caller has
-    all of it once the report arrives. A process that dies without reporting is reported by
-    whoever reaps it."""
+    all of it once the report arrives. A process that dies without reporting (or whose report
+    fd the program replaced) is reported by whoever reaps it."""
     global _report_fd
     if _report_fd is None or os.getpid() != _report_pid:
         return
     fd, _report_fd = _report_fd, None
+    try:
+        ours = _identity(fd) == _report_identity
+    except OSError:
+        ours = False
+    if not ours:
+        return
     close_step_output(keep=fd)
     protocol.send_event(fd, "exit", returncode=code)
     os.close(fd)
@@ -225,14 +247,12 @@ def redirect_to_files(stdout_file: str, stderr_file: str) -> None:
             os.close(target)
 
 
-def coerce_c_locale() -> None:
+def coerce_c_locale() -> bool:
     """PEP 538: under the C/POSIX locale a fresh interpreter sets ``LC_CTYPE=C.UTF-8``."""
-    env = os.environ
-    if env.get("LC_ALL") or env.get("PYTHONCOERCECLOCALE") == "0":
-        return
-    ctype = env.get("LC_CTYPE") or env.get("LANG") or "C"
-    if ctype in ("C", "POSIX"):
-        env["LC_CTYPE"] = "C.UTF-8"
+    if os.environ.get("LC_ALL") or os.environ.get("PYTHONCOERCECLOCALE") == "0":
+        return False
+    os.environ["LC_CTYPE"] = "C.UTF-8"
+    return True
 
 
 def reseed_random_generators() -> None:
@@ -258,11 +278,17 @@ def use_spawn_proxy(executable: str) -> None:
         multiprocessing.spawn.set_executable(executable)
 
 
-def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
+def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     """Everything between fork and user code, for a step and for each rank alike: signals,
-    fds, environment, cwd, random seeds. Raises OSError for cwd and stdio problems."""
+    fds, environment, locale, cwd, random seeds. Raises OSError for cwd and stdio problems.
+    Returns the LC_CTYPE locale the environment selects (before PEP 538's coercion)."""
     die_with_parent()
+    # The zygote's objects made since its image was frozen join it: a collection in the step
+    # (its own, or at exit) then never writes to their pages (a copy-on-write fault each).
+    gc.freeze()
     restore_signals(state.signal_handlers)
+    cpus = process_attrs.affinity_change(spec.process)  # before taking the caller's on
+    process_attrs.apply(spec.process)
     close_fds(state.zygote_fds)
     state.zygote_fds = []  # closed: their numbers may be reused from here on
     if spec.fd_targets:
@@ -273,11 +299,12 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> None:
     os.environ.update(spec.env)
     for key, value in state.env_set_by_preload.items():
         os.environ.setdefault(key, value)
-    coerce_c_locale()
+    startup_locale = interpreter.apply_locale(coerce_c_locale)
     os.chdir(spec.cwd)
     reseed_random_generators()
-    threads.apply_fresh_counts(spec.thread_counts)
+    threads.apply_fresh_counts(spec.thread_counts, cpus)
     wanted = Settings.from_env()  # the step's own environment asks
     deferral.install_for_step(state.deferred, wanted.deferred)
     use_spawn_proxy(state.spawn_executable if wanted.spawn else "")
     redirect_to_files(spec.stdout_file, spec.stderr_file)
+    return startup_locale

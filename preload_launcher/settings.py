@@ -218,12 +218,6 @@ def preload_source(explicit: Optional[str] = None, ini: Optional[str] = None,
     return "the preload_launcher_modules ini option" if ini is not None else ""
 
 
-def import_env_mismatch(import_env: Mapping[str, Optional[str]],
-                        env: Mapping[str, str]) -> list[str]:
-    """The import-relevant variables whose value in ``env`` differs from a preload's."""
-    return sorted(k for k, v in import_env.items() if env.get(k) != v)
-
-
 def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:
     """This user's private directory (mode 0700) for sockets and logs, verified without
     following links (``rundir``); raises ``rundir.NoPrivateDirectory`` when there is none."""

@@ -17,7 +17,8 @@ so the caller's ``wait``/``kill`` work unchanged. Anything the zygote cannot ser
 that is gone, becomes the real program (``execve``), fds intact.
 
 ``install`` writes this source behind a ``#!python -IS`` line, the socket path (``SOCKET``) and
-the source of ``protocol`` (``PROTOCOL_SOURCE``, the one wire): the standard library only, so
+the source of ``protocol`` (``PROTOCOL_SOURCE``, the one wire) and of ``process_attrs`` (what a
+program inherits from its caller, sent with the request): the standard library only, so
 a stand-in starts in milliseconds.
 """
 
@@ -28,7 +29,7 @@ import sys
 import types
 
 if __name__ != "__main__":  # imported by the launcher; the written executable embeds protocol
-    from . import protocol
+    from . import process_attrs, protocol
     from .files import zygote_files
     from .rundir import owned_privately
 
@@ -57,12 +58,14 @@ def install(socket_path: str) -> str:
         source = f.read()
     with open(protocol.__file__, encoding="utf-8") as f:
         protocol_source = f.read()
+    with open(process_attrs.__file__, encoding="utf-8") as f:
+        attrs_source = f.read()
     path = os.path.join(directory, PROGRAM)
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)
     with open(fd, "w", encoding="utf-8") as f:
         f.write(f"{shebang}SOCKET = {socket_path!r}\nPROTOCOL_SOURCE = {protocol_source!r}\n"
-                + source)
+                f"PROCESS_ATTRS_SOURCE = {attrs_source!r}\n" + source)
     os.replace(tmp, path)  # a step never runs a half-written stand-in
     return path if trusted(path) else ""
 
@@ -137,7 +140,8 @@ class Invocation:
 
     def request(self, fds: list) -> dict:
         return {"args": self.args, "env": self.env, "cwd": os.getcwd(), "spawned": self.spawned,
-                "nested": not self.spawned, "fd_targets": [0, 1, 2, *fds]}
+                "nested": not self.spawned, "fd_targets": [0, 1, 2, *fds],
+                "process": process_attrs.capture()}
 
     def become_real(self) -> None:
         """Run the real program, as if this stand-in had never been there."""
@@ -216,6 +220,7 @@ def main(socket_path: str) -> None:
                 exit_like(int(event["returncode"]))
 
 
-if __name__ == "__main__":  # the written executable: SOCKET and PROTOCOL_SOURCE precede this
+if __name__ == "__main__":  # the written executable: SOCKET and the sources precede this
     protocol = embedded_module("preload_launcher_protocol", PROTOCOL_SOURCE)  # noqa: F821
+    process_attrs = embedded_module("preload_launcher_process_attrs", PROCESS_ATTRS_SOURCE)  # noqa: F821
     main(SOCKET)  # noqa: F821

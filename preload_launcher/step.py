@@ -9,7 +9,7 @@ import fcntl
 import os
 from typing import Optional
 
-from . import accelerate_launch, agent, child, protocol, runtime
+from . import accelerate_launch, agent, child, interpreter, protocol, runtime
 from .command import StepSpec, Unsupported, parse_python_argv
 
 __all__ = ["become_step"]
@@ -24,11 +24,17 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: runtime.Zy
     conn_fd, old_conn_fd = fcntl.fcntl(conn_fd, fcntl.F_DUPFD_CLOEXEC, floor), conn_fd
     os.close(old_conn_fd)
     try:
-        runtime.set_up(spec, state, fds)
+        startup_locale = runtime.set_up(spec, state, fds)
     except OSError as err:
         protocol.send_event(conn_fd, "error", type=type(err).__name__, errno=err.errno,
                             strerror=err.strerror, filename=err.filename)
         return 255
+    differs = interpreter.startup_mismatch(os.environ, startup_locale)
+    if differs:  # fixed at this interpreter's start-up: only a new interpreter has them
+        protocol.send_event(conn_fd, "fallback", retire=False,
+                            reason=f"its environment asks for start-up settings the zygote lacks: "
+                                   f"{', '.join(differs)}")
+        return 0
     if spec.torchrun_args is not None:
         return agent.run_agent(spec, state, conn_fd, warm_ranks)
     if spec.accelerate_args is not None:

@@ -74,8 +74,10 @@ def preload_limits() -> Iterator[None]:
             yield
 
 
-def key_of(env: Mapping[str, str]) -> str:
-    return json.dumps([env.get(k) for k in THREAD_ENV])
+def key_of(env: Mapping[str, str], cpus: Optional[list[int]] = None) -> str:
+    """A thread environment, and the CPU set when it is not the zygote's (torch sizes its
+    pools by the CPUs it may run on)."""
+    return json.dumps([env.get(k) for k in THREAD_ENV] + ([sorted(cpus)] if cpus else []))
 
 
 class FreshCounts:
@@ -86,37 +88,40 @@ class FreshCounts:
         self.known = {key_of({}): list(defaults), **(read_json(cache_path) or {})}
         self.probes: dict[str, subprocess.Popen] = {}
 
-    def ask_ahead(self, env: Mapping[str, str]) -> None:
+    def ask_ahead(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> None:
         """Start asking a fresh interpreter now (in the background), unless known already."""
-        key = key_of(env)
+        key = key_of(env, cpus)
         if key not in self.known and key not in self.probes:
             probe_env = {**{k: v for k, v in os.environ.items() if k not in THREAD_ENV},
                          **{k: env[k] for k in THREAD_ENV if k in env}}
-            self.probes[key] = subprocess.Popen([sys.executable, "-c", PROBE], env=probe_env,
+            pin = f"import os; os.sched_setaffinity(0, {sorted(cpus)}); " if cpus else ""
+            self.probes[key] = subprocess.Popen([sys.executable, "-c", pin + PROBE], env=probe_env,
                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                                 text=True)
 
-    def for_env(self, env: Mapping[str, str]) -> list[int]:
-        key = key_of(env)
+    def for_env(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> list[int]:
+        key = key_of(env, cpus)
         if key not in self.known:
-            self.ask_ahead(env)
+            self.ask_ahead(env, cpus)
             out, _ = self.probes.pop(key).communicate(timeout=120)
             self.known[key] = [int(n) for n in out.split()[-2:]]
             save_json(self.path, {k: v for k, v in self.known.items() if k != key_of({})})
         return self.known[key]
 
-    def table_for(self, env: Mapping[str, str], multi_rank: bool) -> dict[str, list[int]]:
+    def table_for(self, env: Mapping[str, str], multi_rank: bool,
+                  cpus: Optional[list[int]] = None) -> dict[str, list[int]]:
         """What a step with ``env`` needs: its own counts and, for a torchrun step, those of
         ranks given ``OMP_NUM_THREADS=1`` (torchrun's default for several ranks)."""
         envs = [env] + ([{**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}]
                         if multi_rank else [])
-        return {key_of(e): self.for_env(e) for e in envs}
+        return {key_of(e, cpus): self.for_env(e, cpus) for e in envs}
 
 
-def apply_fresh_counts(table: dict[str, list[int]]) -> None:
-    """In a forked step or rank: torch's counts as a fresh interpreter would have them."""
+def apply_fresh_counts(table: dict[str, list[int]], cpus: Optional[list[int]] = None) -> None:
+    """In a forked step or rank: torch's counts as a fresh interpreter would have them
+    (``cpus``: the caller's CPU set, where it is not the zygote's)."""
     torch = sys.modules.get("torch")
-    counts = table.get(key_of(os.environ))
+    counts = table.get(key_of(os.environ, cpus))
     if torch is None or counts is None:
         return
     intra, inter = counts

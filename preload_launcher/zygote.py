@@ -18,14 +18,15 @@ import time
 from typing import Optional
 
 from . import cuda, gpus, procfs, protocol, runtime, standin, step, threads
+from .process_attrs import affinity_change
 from .command import Unsupported, parse_command
 from .files import read_json, remove_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
                       hint_holds)
 from .prewarm import WarmPool
+from .interpreter import import_env_mismatch
 from .running import Step
-from .settings import (QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig,
-                       import_env_mismatch)
+from .settings import QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
 
 __all__ = ["main"]
 
@@ -85,6 +86,9 @@ class Zygote:
         self.snapshot_signals()  # after preload: handlers that imports install are kept
         self.use_standins()
         freeze_image()
+        # A fresh interpreter that imported the same modules has these; every fd opened
+        # from here on is the zygote's own and is closed in its children (child_state).
+        self.preload_fds = procfs.open_fds()
         self.announce_ready()
 
     def restart_without(self, verdict: Quarantined) -> None:
@@ -204,7 +208,7 @@ class Zygote:
         in the verdict cache for the next zygote."""
         for key in list(self.preloader.hints):
             result_r, result_w = os.pipe()
-            state = self.child_state()
+            state = self.child_state(keep=[result_w])
 
             def body(key=key) -> int:
                 runtime.close_fds([*state.zygote_fds, result_r])
@@ -230,12 +234,14 @@ class Zygote:
         """Import what finished steps imported and this zygote lacks, one module at a time,
         until a request comes in (the same CUDA-clean rules and budget as at start-up)."""
         self.learn_due = False
+        before = procfs.open_fds()
         try:
             summary = self.preloader.learn_while_idle(lambda: not self.selector.select(0))
         except Quarantined as verdict:
             signal.set_wakeup_fd(-1)
             self.restart_without(verdict)
         self.learn_due = summary.get("interrupted", False)  # go on at the next idle moment
+        self.preload_fds |= procfs.open_fds() - before  # what the learned imports opened
         if summary["imported"]:
             freeze_image()
             learned = self.report.learned
@@ -334,7 +340,7 @@ class Zygote:
         pid = self.warm.hand_over(spec, fds, conn) if self.warm else None
         if pid is None:
             conn.settimeout(None)
-            state = self.child_state()
+            state = self.child_state(keep=[*fds, conn.fileno()])
             pid = runtime.fork(lambda: step.become_step(spec, fds, conn.fileno(), state))
         runtime.close_fds(fds)
         self.served += 1
@@ -385,7 +391,8 @@ class Zygote:
         differs = import_env_mismatch(self.report.import_env if self.report else {}, spec["env"])
         if differs:
             return f"its environment differs from the preload's in {', '.join(differs[:3])}"
-        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"], "nested": True}
+        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"], "nested": True,
+                "process": spec.get("process") or {}}
 
     def check_staleness(self) -> None:
         """A daemon whose preloaded code or packages changed restarts once idle."""
@@ -407,11 +414,15 @@ class Zygote:
         # Launchers give their processes OMP_NUM_THREADS=1 (torchrun for several ranks,
         # accelerate by default): that count is asked for too.
         launcher = spec.get("torchrun_args") is not None or spec.get("accelerate_args") is not None
-        return self.fresh_counts.table_for(spec.get("env") or {}, multi_rank=launcher)
+        return self.fresh_counts.table_for(spec.get("env") or {}, multi_rank=launcher,
+                                           cpus=affinity_change(spec.get("process") or {}))
 
-    def child_state(self) -> runtime.ZygoteState:
-        others = [s.conn.fileno() for s in self.steps.values()]
-        return runtime.ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others,
+    def child_state(self, keep=()) -> runtime.ZygoteState:
+        """What a child needs; ``keep``: the fds it is handed (all others the zygote opened
+        after preload are closed in it: other steps' connections, waiting steps' fds, pipes)."""
+        others = {s.conn.fileno() for s in self.steps.values()}
+        opened = (procfs.open_fds() - self.preload_fds) | set(self.own_fds) | others
+        return runtime.ZygoteState(self.base_path, self.signal_handlers, sorted(opened - set(keep)),
                                    self.env_set_by_preload, self.learn_reports_dir,
                                    self.config.project, self.spawn_executable,
                                    self.settings.prewarm_cuda,

@@ -1,0 +1,157 @@
+"""Settings a fresh interpreter takes from its environment at start-up, by CPython's rules.
+
+Some can be applied in a forked child (buffering, the locale, tracemalloc); the ones
+``sys.flags`` fixes at start-up (``-O``, dev mode, verbose imports, UTF-8 mode, ...) cannot:
+a step that asks for other values than the zygote was started with is served by a zygote
+started with them (the client compares ``startup_flags``) or, failing that, runs as a plain
+process (``startup_mismatch`` in the child says why).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Mapping, Optional
+
+__all__ = ["env_flag", "startup_flags", "zygote_flags", "flags_differ", "import_env_mismatch",
+           "startup_mismatch",
+           "FLAG_PREFIX",
+           "apply_locale", "ctype_is_c_like", "step_base_path"]
+
+ZYGOTE_CWD = "/"  # where a zygote starts, resolving relative PYTHONPATH entries against it
+FLAG_PREFIX = "sys.flags."  # how start-up flags are named among a zygote's import environment
+
+# Locales where python defaults stdio errors to surrogateescape (its coercion targets too).
+C_LIKE_LOCALES = ("C", "POSIX", "C.UTF-8", "C.utf8", "UTF-8")
+
+
+def _value(env: Mapping[str, str], name: str) -> Optional[str]:
+    return env.get(name) or None  # python treats an empty variable as unset
+
+
+def env_flag(env: Mapping[str, str], name: str) -> int:
+    """A numeric flag variable as python reads it (``PYTHONOPTIMIZE=2`` -> 2, text -> 1,
+    ``0`` -> 0, unset or empty -> 0)."""
+    value = _value(env, name)
+    if value is None:
+        return 0
+    try:
+        number = int(value)
+    except ValueError:
+        return 1
+    return number if number >= 0 else 1
+
+
+def _utf8_mode(env: Mapping[str, str], ctype_locale: Optional[str]) -> Optional[int]:
+    """PEP 540: ``PYTHONUTF8``, else on when the start-up locale is C/POSIX; None when only
+    the locale (known in the child, after ``apply_locale``) can tell."""
+    value = _value(env, "PYTHONUTF8")
+    if value in ("0", "1"):
+        return int(value)
+    if ctype_locale is None:
+        return None
+    return int(ctype_locale in ("C", "POSIX"))
+
+
+def startup_flags(env: Mapping[str, str], ctype_locale: Optional[str] = None) -> dict[str, int]:
+    """The ``sys.flags`` a fresh interpreter started with ``env`` would show, for the flags an
+    environment variable sets. ``ctype_locale``: the LC_CTYPE locale ``env`` selects (before
+    coercion), where known."""
+    flags = {"optimize": env_flag(env, "PYTHONOPTIMIZE"),
+             "verbose": env_flag(env, "PYTHONVERBOSE"),
+             "dev_mode": int(_value(env, "PYTHONDEVMODE") is not None)}
+    if hasattr(sys.flags, "warn_default_encoding"):
+        flags["warn_default_encoding"] = int(_value(env, "PYTHONWARNDEFAULTENCODING") is not None)
+    if hasattr(sys.flags, "int_max_str_digits"):
+        digits = _value(env, "PYTHONINTMAXSTRDIGITS")
+        default = -1 if sys.version_info < (3, 12) else sys.int_info.default_max_str_digits
+        flags["int_max_str_digits"] = int(digits) if digits and digits.isdigit() else default
+    utf8 = _utf8_mode(env, ctype_locale)
+    if utf8 is not None:
+        flags["utf8_mode"] = utf8
+    return flags
+
+
+def zygote_flags(keys=None) -> dict[str, int]:
+    """This interpreter's own values of ``keys`` (names of ``sys.flags`` fields; default: all
+    that ``startup_flags`` knows)."""
+    if keys is None:
+        keys = [*startup_flags({}), "utf8_mode"]
+    return {key: int(getattr(sys.flags, key)) for key in keys}
+
+
+def _ctype_name(env: Mapping[str, str]) -> str:
+    """The LC_CTYPE locale ``env`` names (without asking the C library whether it exists)."""
+    return env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG") or "C"
+
+
+def flags_differ(recorded: Mapping[str, Optional[int]], env: Mapping[str, str]) -> list[str]:
+    """Among a zygote's ``recorded`` start-up flags (named with ``FLAG_PREFIX``), those a fresh
+    interpreter started with ``env`` would show otherwise."""
+    wanted = startup_flags(env, _ctype_name(env))
+    return [key for key, value in recorded.items()
+            if key.startswith(FLAG_PREFIX) and wanted.get(key[len(FLAG_PREFIX):], value) != value]
+
+
+def import_env_mismatch(import_env: Mapping[str, Optional[str]],
+                        env: Mapping[str, str]) -> list[str]:
+    """The import-relevant variables whose value in ``env`` differs from a preload's
+    (``preload.import_env``), and the start-up flags (``sys.flags.X``) a fresh interpreter
+    would take otherwise from ``env``: a zygote serves only steps where this is empty."""
+    flags = FLAG_PREFIX
+    return sorted([k for k, v in import_env.items() if not k.startswith(flags) and env.get(k) != v]
+                  + flags_differ(import_env, env))
+
+
+def startup_mismatch(env: Mapping[str, str], ctype_locale: Optional[str]) -> list[str]:
+    """The start-up flags ``env`` asks for that this (forked) interpreter does not have."""
+    wanted = startup_flags(env, ctype_locale)
+    have = zygote_flags(wanted)
+    return [f"{FLAG_PREFIX}{key}={wanted[key]}" for key in wanted if wanted[key] != have[key]]
+
+
+def _locale_from_env() -> str:
+    """Set LC_CTYPE from the environment, as python does at start-up (a locale that does not
+    exist leaves "C"); returns its name."""
+    import locale  # the child's business: the client's start-up need not pay for it
+    try:
+        return locale.setlocale(locale.LC_CTYPE, "")
+    except locale.Error:
+        return locale.setlocale(locale.LC_CTYPE, "C")
+
+
+def apply_locale(coerce) -> str:
+    """Python's start-up: read LC_CTYPE from the environment; under C/POSIX apply PEP 538's
+    coercion (``coerce`` sets ``LC_CTYPE`` in the environment when it applies) and read it
+    again. Returns the locale before coercion (what UTF-8 mode depends on)."""
+    before = _locale_from_env()
+    if before in ("C", "POSIX") and coerce():
+        _locale_from_env()
+    return before
+
+
+def ctype_is_c_like() -> bool:
+    import locale
+    return locale.setlocale(locale.LC_CTYPE) in C_LIKE_LOCALES
+
+
+def _path_key(path: str) -> str:
+    """Paths as ``site`` compares them (``//src``, which getpath makes from cwd ``/``, is
+    ``/src``)."""
+    normal = os.path.normpath(path)
+    return "/" + normal.lstrip("/") if normal.startswith("/") else normal
+
+
+def step_base_path(base_path: list[str], pythonpath: str, zygote_cwd: str, cwd: str) -> list[str]:
+    """``base_path`` (the zygote's sys.path without sys.path[0]) with ``PYTHONPATH``'s entries
+    resolved against the step's ``cwd``, as a fresh interpreter started there resolves them,
+    instead of the zygote's start-up directory; duplicates dropped as ``site`` drops them."""
+    entries = pythonpath.split(os.pathsep) if pythonpath else []
+    if cwd == zygote_cwd or all(os.path.isabs(e) for e in entries):
+        return base_path
+    zygotes = {_path_key(os.path.join(zygote_cwd, e)) for e in entries}
+    at = next((i for i, p in enumerate(base_path) if _path_key(p) in zygotes), 0)
+    kept = [p for p in base_path if _path_key(p) not in zygotes]
+    path = kept[:at] + [os.path.abspath(os.path.join(cwd, e)) for e in entries] + kept[at:]
+    seen: set[str] = set()
+    return [p for p in path if not (_path_key(p) in seen or seen.add(_path_key(p)))]
