@@ -21,6 +21,7 @@ from typing import Optional
 from . import child, cuda, protocol, runtime
 from .command import PythonTarget, StepSpec, parse_python_argv
 from .settings import Settings
+from .stdio import open_stdio
 
 __all__ = ["run_agent", "serve_launch", "rank_envs", "unsupported_reason", "fork_waiting_ranks",
            "release_ranks", "RankHandle"]
@@ -299,12 +300,13 @@ class Agent:
     def send_orders(self, addr: str, port: int) -> None:
         """Everything a rank needs: its env (torchrun's contract), cwd, target, log files, stdio."""
         envs = rank_envs(self.config, addr, port, self.logs.error_files, dict(os.environ))
+        stdio = open_stdio()  # the agent's own, as torchrun's ranks inherit them
         for rank, handle in self.handles.items():
             orders = StepSpec(args=self.spec.args, env=envs[rank], cwd=os.getcwd(),
                               target=self.target, stdout_file=self.logs.stdouts.get(rank, ""),
                               stderr_file=self.logs.stderrs.get(rank, ""),
-                              thread_counts=self.spec.thread_counts)
-            protocol.send_request(handle.sock, orders.to_json_dict(), [0, 1])
+                              thread_counts=self.spec.thread_counts, fd_targets=stdio)
+            protocol.send_request(handle.sock, orders.to_json_dict(), stdio)
             self.reports[handle.pid] = handle.sock
             self.readers[handle.pid] = protocol.EventReader()
 

@@ -77,7 +77,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         how = "a one-off zygote"
     try:
-        result = launcher.run(args.command, timeout=args.timeout, echo=True)
+        # The step gets the CLI's own stdin, stdout and stderr, a terminal included.
+        result = launcher.run(args.command, timeout=args.timeout, capture=False)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except subprocess.TimeoutExpired:

@@ -29,8 +29,6 @@ from .settings import (QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig,
 
 __all__ = ["main"]
 
-REQUEST_READ_TIMEOUT_S = 10.0
-
 
 def say(fmt: str, *args) -> None:
     """Log to the zygote's stderr (its log file). The root logger stays unconfigured: children
@@ -56,6 +54,7 @@ class Zygote:
         self.listener = socket.socket(fileno=config.listen_fd)
         self.selector = selectors.DefaultSelector()
         self.steps: dict[int, Step] = {}  # pid -> step
+        self.pending: dict[int, protocol.RequestReader] = {}  # fd -> a request being read
         self.served = 0
         self.started_at = time.time()
         self.report: Optional[PreloadReport] = None
@@ -198,6 +197,8 @@ class Zygote:
                     self.request_stop("its starter went away")
                 elif isinstance(key.data, str):
                     self.settle_hint(key.data, key.fileobj)
+                elif isinstance(key.data, protocol.RequestReader):
+                    self.on_request(key.data)
                 elif isinstance(key.data, gpus.Waiting):
                     self.on_waiting_conn(key.data)
                 else:
@@ -267,26 +268,44 @@ class Zygote:
         self.stopping = True
 
     def accept(self) -> None:
+        """A new connection; its request is read as it arrives (``on_request``)."""
         self.last_request = time.monotonic()
         try:
             conn, _ = self.listener.accept()
         except OSError:
             return
-        try:
-            if not _peer_is_same_user(conn):
-                say("refused a connection from another uid")
-                protocol.send_event(conn, "refused", reason="peer uid differs")
-                conn.close()
-                return
-            conn.settimeout(REQUEST_READ_TIMEOUT_S)
-            request, fds = protocol.recv_request(conn)
-        except (OSError, ValueError) as err:
-            say("bad request: %s", err)
-            _send_error(conn, f"bad request: {err}")
+        if not _peer_is_same_user(conn):
+            say("refused a connection from another uid")
+            protocol.send_event(conn, "refused", reason="peer uid differs")
             conn.close()
             return
-        if request.get("op") == "step" and len(fds) >= 2 and isinstance(request.get("spec"), dict):
-            self.fork_step(conn, request["spec"], fds)
+        conn.setblocking(False)
+        pending = protocol.RequestReader(conn)
+        self.pending[conn.fileno()] = pending
+        self.selector.register(conn, selectors.EVENT_READ, pending)
+        self.on_request(pending)  # usually all of it is there already
+
+    def on_request(self, pending: protocol.RequestReader) -> None:
+        conn = pending.sock
+        try:
+            got = pending.feed()
+        except (OSError, ValueError) as err:
+            got = err
+        if got is None:
+            return  # more to come; other clients are served meanwhile
+        self.selector.unregister(conn)
+        del self.pending[conn.fileno()]
+        conn.setblocking(True)
+        if isinstance(got, Exception):
+            say("bad request: %s", got)
+            _send_error(conn, f"bad request: {got}")
+            conn.close()
+            return
+        request, fds = got
+        spec = request.get("spec")
+        if request.get("op") == "step" and isinstance(spec, dict) and len(fds) == (
+                2 if spec.get("fd_targets") is None else len(spec["fd_targets"])):
+            self.fork_step(conn, spec, fds)
             return
         runtime.close_fds(fds)
         self.answer(conn, request.get("op"))
@@ -415,6 +434,8 @@ class Zygote:
 
     def child_state(self) -> runtime.ZygoteState:
         others = [s.conn.fileno() for s in self.steps.values()]
+        for pending in self.pending.values():  # other clients' connections are not the step's
+            others += [pending.sock.fileno(), *pending.fds]
         return runtime.ZygoteState(self.base_path, self.signal_handlers, self.own_fds + others,
                                    self.env_set_by_preload, self.learn_reports_dir,
                                    self.config.project, self.spawn_executable,
