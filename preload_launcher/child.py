@@ -131,7 +131,8 @@ def _system_exit_code(exc: SystemExit) -> int:
     if isinstance(code, int):
         return code
     try:
-        print(code, file=sys.stderr)
+        if sys.stderr is not None:  # python prints nowhere without one (print would use stdout)
+            print(code, file=sys.stderr)
     except Exception:
         pass
     return 1
