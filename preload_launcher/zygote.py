@@ -504,8 +504,9 @@ class Zygote:
         running.conn.close()
 
     def restart_if_idle(self) -> None:
-        """A stale daemon re-executes itself once no step of the old image is running."""
-        if self.restart_reason and not self.steps:
+        """A stale daemon re-executes itself once no step of the old image is running and no
+        request is half read (exec would drop its connection)."""
+        if self.restart_reason and not self.steps and not self.pending:
             say("restarting: %s", self.restart_reason)
             signal.set_wakeup_fd(-1)
             self.reexec()

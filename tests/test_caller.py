@@ -7,9 +7,7 @@ import os
 import pathlib
 import select
 import signal
-import socket
 import subprocess
-import sys
 import termios
 import threading
 import time
@@ -257,14 +255,16 @@ PRINT_CWD = [PY, "-c", "import os; print(os.getcwd())"]
     ([PY, "-c", "pass\0"], {}),
     ([PY.encode(), b"-c", pathlib.Path("pass")], {}),
     ([PY, "-c", 3], {}),
-    ([PY, "-c", "pass"], {"env": {"A=B": "1"}}),
-    ([PY, "-c", "pass"], {"env": {"A": "1\0"}}),
-    ([PY, "-c", "pass"], {"env": {"A\0": "1"}}),
-    ([PY, "-c", "pass"], {"env": {"A": 1}}),
-    ([PY, "-c", "import os; print(os.environ['A'])"], {"env": {b"A": b"1"}}),
+    ([PY, "-c", "pass"], {"env": {**os.environ, "A=B": "1"}}),
+    ([PY, "-c", "pass"], {"env": {**os.environ, "A": "1\0"}}),
+    ([PY, "-c", "pass"], {"env": {**os.environ, "A\0": "1"}}),
+    ([PY, "-c", "pass"], {"env": {**os.environ, "A": 1}}),
+    ([PY, "-c", "import os; print(os.environ['A'])"], {"env": {**os.environb, b"A": b"1"}}),
 ], ids=["cwd-bytes", "cwd-pathlike", "cwd-null", "cwd-int", "arg-null", "args-bytes-pathlike",
         "arg-int", "env-name-equals", "env-value-null", "env-name-null", "env-value-int",
         "env-bytes"])
 def test_arguments_are_taken_and_refused_as_subprocess_takes_them(light, args, kwargs):
+    """(The environments are the caller's plus the odd variable: the zygote's own, so that the
+    step is forked, not refused for a differing import environment.)"""
     expected = outcome_of(plain_run, args, **kwargs)
     assert outcome_of(light.run, args, **kwargs) == expected
