@@ -613,13 +613,15 @@ def default_launcher() -> Launcher:
         return _launchers[modules]
 
 
-def run(args, *, cwd=None, env=None, timeout=None, check=False, echo=False) -> StepResult:
+def run(args, *, cwd=None, env=None, timeout=None, check=False, echo=False,
+        capture=True) -> StepResult:
     """Drop-in for ``subprocess.run(args, cwd=, env=, stdout=PIPE, stderr=STDOUT, text=True)``.
 
     ``result.stdout`` holds stdout and stderr interleaved; ``result.via`` says whether a
     zygote's forked child ran it. ``PRELOAD_LAUNCHER=0`` makes this a plain subprocess call.
     """
-    return default_launcher().run(args, cwd=cwd, env=env, timeout=timeout, check=check, echo=echo)
+    return default_launcher().run(args, cwd=cwd, env=env, timeout=timeout, check=check, echo=echo,
+                                  capture=capture)
 
 
 def run_capturing(cmd_parts, cwd=None, env=None, timeout=None) -> tuple[int, str]:

@@ -264,7 +264,7 @@ def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, t
 
     zygote = torch_launcher.zygote_for(env)
     out_r, out_w = os.pipe()
-    sock = zygote.submit(parse_command(args, env, str(tmp_path)), out_w, 0)
+    sock = zygote.submit(parse_command(args, env, str(tmp_path)), [0, out_w])
     os.close(out_w)
     until_ready(lambda: os.read(out_r, 4096).decode())
     protocol.send_op(sock, "signal", signum=signal.SIGINT)
