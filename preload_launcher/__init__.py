@@ -1,13 +1,32 @@
 """preload_launcher: run each Python/torchrun step as a fresh child forked from a preloaded zygote.
 
-Importing the package loads the caller's side only (client, command, protocol, settings);
-the zygote's modules are imported by the zygote process itself.
+Using the package loads the caller's side only (client, command, protocol, settings), on first
+use of a name below: ``import preload_launcher.cli`` (the console script) imports none of it, so
+a one-off ``preload-launcher run`` starts fast. The zygote's modules are imported by the zygote
+process itself.
 """
 
-from .client import Launcher, ZygoteProcess, default_launcher, run, run_capturing
-from .command import StepSpec
-from .result import LauncherError, StepResult
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["run", "run_capturing", "Launcher", "ZygoteProcess", "default_launcher", "StepSpec",
            "StepResult", "LauncherError", "__version__"]
 __version__ = "0.1.0"
+
+# Each public name and the module that defines it.
+_HOMES = {"run": "client", "run_capturing": "client", "Launcher": "client",
+          "ZygoteProcess": "client", "default_launcher": "client", "StepSpec": "command",
+          "StepResult": "result", "LauncherError": "result"}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value  # found once; later uses are plain attribute lookups
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

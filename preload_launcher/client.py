@@ -50,7 +50,7 @@ class ZygoteProcess:
                  cache_dir: Optional[str] = None, socket_path: Optional[str] = None,
                  daemon: bool = False, project: Optional[str] = None,
                  profile: Optional[str] = None, idle_timeout_s: Optional[float] = None,
-                 gpus: Optional[str] = None) -> None:
+                 gpus: Optional[str] = None, implicit: bool = False) -> None:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
         # Per-test variables are the step's business, never the preload's; so are thread
@@ -69,6 +69,9 @@ class ZygoteProcess:
         self.log_path = zygote_files(self.socket_path)["log"]
         self.standins = ""  # the stand-in program for this zygote's steps ("" = none)
         self.daemon = daemon
+        # A daemon pre-warms by default where there are GPUs, unless `run` started it on its
+        # own: that one holds no GPU memory the user did not ask for.
+        self.warm_by_default = daemon and not implicit
         self.project = os.path.abspath(project or os.getcwd())
         profile = profile or self.settings.profile
         self.profile = os.path.abspath(profile) if profile else ""
@@ -144,8 +147,9 @@ class ZygoteProcess:
         GPUs: its warm children read as fresh processes (docs/performance.md), and a daemon is
         started to be kept warm."""
         s = self.settings
-        gpus = cuda.nvml_device_count(self.env) if s.prewarm or (s.prewarm is None and self.daemon) else 0
-        prewarm = s.prewarm if s.prewarm is not None else self.daemon and gpus > 0
+        wanted = s.prewarm if s.prewarm is not None else self.warm_by_default
+        gpus = cuda.nvml_device_count(self.env) if wanted else 0
+        prewarm = s.prewarm if s.prewarm is not None else self.warm_by_default and gpus > 0
         return ZygoteConfig(modules=self.modules, listen_fd=listen_fd, ready_fd=ready_fd,
                             socket_path=self.socket_path, cache_dir=self.cache_dir,
                             project=self.project, alive_fd=alive_fd, daemon=self.daemon,

@@ -1,13 +1,12 @@
 """A warm zygote that outlives its starter, for manual example runs (``preload-launcher serve``).
 
 One daemon per (interpreter, preload set), found by name in the per-user runtime directory
-(mode 0700; socket 0600; every connection's peer uid checked by the zygote).
+(mode 0700; socket 0600; every connection's peer uid checked by the zygote); its files are
+named in ``daemon_files``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -15,18 +14,13 @@ import sys
 import time
 from typing import Mapping, Optional, Sequence
 
-from . import settings
 from .client import ZygoteProcess
+from .daemon_files import (daemon_paths, list_daemons, pid_alive, read_starting, starting_file,
+                           write_starting)
 from .files import read_json, unlink_all, write_json, zygote_files
 
-__all__ = ["daemon_paths", "find_daemon", "start_daemon", "stop_daemon", "list_daemons"]
-
-
-def daemon_paths(modules: Sequence[str]) -> tuple[str, str]:
-    """(socket, metadata file) of the daemon for this interpreter and preload set."""
-    key = hashlib.sha1(json.dumps([sys.executable, list(modules)]).encode()).hexdigest()[:12]
-    base = os.path.join(settings.runtime_dir(), f"d-{key}")
-    return base + ".sock", base + ".json"
+__all__ = ["daemon_paths", "find_daemon", "start_daemon", "spawn_daemon", "mark_starting",
+           "wait_for_starting", "stop_daemon", "list_daemons"]
 
 
 def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Optional[dict]]:
@@ -42,11 +36,13 @@ def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Option
 
 
 def start_daemon(modules: Sequence[str], env: Mapping[str, str],
-                 idle_timeout_s: Optional[float] = None, progress=None) -> ZygoteProcess:
-    """Start a detached daemon (replacing a dead one) and wait until it serves."""
+                 idle_timeout_s: Optional[float] = None, progress=None,
+                 implicit: bool = False) -> ZygoteProcess:
+    """Start a detached daemon (replacing a dead one) and wait until it serves. ``implicit``:
+    `run` started it on its own, so it pre-warms no CUDA context unless a variable asks."""
     sock, meta_path = daemon_paths(modules)
     zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
-                           idle_timeout_s=idle_timeout_s).start(progress)
+                           idle_timeout_s=idle_timeout_s, implicit=implicit).start(progress)
     meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
             "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
     write_json(meta_path, meta)
@@ -54,86 +50,74 @@ def start_daemon(modules: Sequence[str], env: Mapping[str, str],
     return zygote
 
 
+def _claim_starting(modules: Sequence[str]) -> Optional[int]:
+    """An fd on a new ``.starting`` marker, or None while another live starter holds it (a
+    dead starter's marker is taken over)."""
+    lock = starting_file(modules)
+    for _ in range(2):
+        try:
+            return os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            starter = read_starting(lock)
+            if starter and pid_alive(starter["pid"]):
+                return None
+            unlink_all(lock)  # its starter died: take over
+    return None
+
+
 def spawn_daemon(modules: Sequence[str]) -> bool:
     """Start ``serve --detach`` in the background (for the next ``run``) unless one is starting
     already; returns whether this call started it. Its ``.starting`` file holds the starter's
     pid until the daemon serves."""
-    lock = starting_file(modules)
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            break
-        except FileExistsError:
-            with open(lock) as f:
-                pid = f.read().strip()
-            if pid.isdigit() and _pid_alive(int(pid)):
-                return False
-            unlink_all(lock)  # its starter died: take over
-    else:
+    fd = _claim_starting(modules)
+    if fd is None:
         return False
     proc = subprocess.Popen([sys.executable, "-m", "preload_launcher.cli", "serve", "--detach",
-                             "--preload", ",".join(modules)], start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                             "--implicit", "--preload", ",".join(modules)],
+                            start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.returncode = 0  # detached: never reaped (or warned about) by this process
-    os.write(fd, str(proc.pid).encode())
+    write_starting(fd, proc.pid, modules)
     os.close(fd)
     return True
 
 
-def starting_file(modules: Sequence[str]) -> str:
-    return daemon_paths(modules)[0][:-len(".sock")] + ".starting"
+def mark_starting(modules: Sequence[str]) -> None:
+    """`serve` shows that it is starting (`run` marked the daemons it starts already), so that
+    `status` and `stop` see it before it serves."""
+    fd = _claim_starting(modules)
+    if fd is not None:
+        write_starting(fd, os.getpid(), modules)
+        os.close(fd)
 
 
-def wait_for_starting(timeout: float = 120.0) -> None:
-    """Wait for the daemons `run` is still starting, so that `stop` finds and stops them
+def wait_for_starting(starters: list[dict], timeout: float = 120.0) -> None:
+    """Wait until these starting daemons serve (or fail), so that `stop` finds and stops them
     instead of leaving them to come up afterwards."""
-    runtime = settings.runtime_dir()
     deadline = time.monotonic() + timeout
-    for name in os.listdir(runtime):
-        if not name.endswith(".starting"):
-            continue
-        try:
-            with open(os.path.join(runtime, name)) as f:
-                pid = int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            continue
-        while pid and _pid_alive(pid) and time.monotonic() < deadline:
+    for starter in starters:  # a foreground `serve` lives on: its marker goes once it serves
+        while (os.path.exists(starter["marker"]) and pid_alive(starter["pid"])
+               and time.monotonic() < deadline):
             time.sleep(0.1)
 
 
-def stop_daemon(modules: Sequence[str], timeout: float = 10.0) -> Optional[int]:
-    """Stop the daemon and every step it runs; returns its pid, or None if none ran."""
-    zygote, meta = find_daemon(modules)
-    sock, meta_path = daemon_paths(modules)
+def stop_daemon(modules: Sequence[str], timeout: float = 10.0,
+                sock: Optional[str] = None) -> Optional[int]:
+    """Stop the daemon and every step it runs; returns its pid, or None if none ran. ``sock``:
+    its socket (default: this interpreter's daemon for ``modules``)."""
+    sock = sock or daemon_paths(modules)[0]
+    try:
+        zygote: Optional[ZygoteProcess] = ZygoteProcess.attach(sock)
+    except OSError:
+        zygote = None
     pid = None
     if zygote is not None:
         pid = zygote.status["pid"]
         zygote.request("stop")
         deadline = time.monotonic() + timeout
-        while _pid_alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _pid_alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
     unlink_all(*zygote_files(sock).values())  # socket, log, proxy and this metadata
     return pid
-
-
-def list_daemons() -> list[dict]:
-    """Metadata of every daemon started for this user, live or not."""
-    runtime = settings.runtime_dir()
-    found = []
-    for name in sorted(os.listdir(runtime)):
-        if name.startswith("d-") and name.endswith(".json"):
-            meta = read_json(os.path.join(runtime, name))
-            if meta:
-                found.append(meta)
-    return found
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

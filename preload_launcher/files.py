@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Optional
 
 __all__ = ["read_json", "write_json", "unlink_all", "zygote_files", "remove_all"]
@@ -39,6 +38,8 @@ def unlink_all(*paths: str) -> None:
 
 def remove_all(*paths: str) -> None:
     """Remove files and directories (the stand-ins' directory) that may be gone already."""
+    import shutil  # here: shutil loads the compression modules, which `run` never needs
+
     for path in paths:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)

@@ -13,13 +13,13 @@ own tree are never learned (they change between runs), nor anything the zygote r
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
 from typing import Optional
 
 from .files import read_json, unlink_all, write_json
+from .identity import interpreter_key
 
 __all__ = ["Profile", "profile_key", "report_step_imports"]
 
@@ -27,8 +27,9 @@ MAX_LEARNED = 5000  # most frequently seen modules kept; the rest are dropped
 
 
 def profile_key(project: str) -> str:
-    """One profile per interpreter and project; package versions are checked inside it."""
-    return hashlib.sha256(f"{sys.executable}\n{project}".encode()).hexdigest()[:16]
+    """One profile per interpreter (``identity``: any of its names) and project; package
+    versions are checked inside it."""
+    return interpreter_key(project)
 
 
 class Profile:

@@ -15,7 +15,7 @@ from typing import Optional
 import pytest
 
 from . import client, daemon, settings
-from .cli import format_deferred, format_learned
+from .reporting import format_deferred, format_learned, preload_problems
 
 PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"
 MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
@@ -27,6 +27,7 @@ PROFILE_DESC = ("a portable profile (preload-launcher profile --write) the zygot
 launcher_key = pytest.StashKey[Optional[client.Launcher]]()
 shared_key = pytest.StashKey[str]()  # the socket of the zygote this session's workers share
 started_key = pytest.StashKey[float]()
+named_key = pytest.StashKey[str]()  # where the preload list was named ("" for the default)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,7 +56,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PRELOAD_LAUNCHER"] = "0"  # so preload_launcher.run() in tests agrees
         config.stash[launcher_key] = None
         return
-    modules = settings.preload_modules(ini=config.getini("preload_launcher_modules"))
+    ini = config.getini("preload_launcher_modules")
+    modules = settings.preload_modules(ini=ini)
+    config.stash[named_key] = settings.preload_source(ini=ini)
     wanted = settings.Settings.from_env()
     profile = wanted.profile or config.getini("preload_launcher_profile")
     gpus = wanted.gpus or settings.parse_gpus(
@@ -144,9 +147,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         for line in format_deferred(report.get("deferred", {}), indent="  "):
             tr.write_line(line)
         tr.write_line("  " + format_learned(report.get("learned", {})))
-        failed = [e["module"] for e in report.get("entries", []) if not e["ok"]]
-        if failed:
-            tr.write_line(f"  not importable: {', '.join(failed)}")
+        for line in preload_problems(report, config.stash.get(named_key, "")):
+            tr.write_line(f"  {line}")
 
 
 def _shared_summary(tr, launcher: client.Launcher) -> None:

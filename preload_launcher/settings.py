@@ -1,8 +1,9 @@
 """Every variable the launcher interprets, read here and nowhere else, into one typed snapshot.
 
 ``Settings.from_env(environ)`` reads ``PRELOAD_LAUNCHER_*`` (and the XDG directories) with one
-boolean rule; a bad value raises ``ValueError`` naming the variable it came from. The zygote
-receives its own snapshot as a ``ZygoteConfig`` (JSON on its command line).
+boolean rule; a bad value raises ``SettingsError`` (a ``ValueError``) naming the variable it
+came from and the values it accepts. The zygote receives its own snapshot as a
+``ZygoteConfig`` (JSON on its command line).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
-__all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "ZygoteConfig", "parse_bool",
-           "preload_modules", "runtime_dir", "QUARANTINE_ENV", "RESTARTED_ENV", "PER_TEST_ENV",
-           "THREAD_ENV"]
+__all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "SettingsError", "ZygoteConfig",
+           "parse_bool", "preload_modules", "preload_source", "runtime_dir", "QUARANTINE_ENV",
+           "RESTARTED_ENV", "PER_TEST_ENV", "THREAD_ENV"]
 
 DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch")
 
@@ -43,6 +44,10 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 
 
+class SettingsError(ValueError):
+    """A launcher setting with a value it does not accept (the message names both)."""
+
+
 def parse_bool(value: str, where: str) -> bool:
     """The one boolean rule: 1/true/yes/on and 0/false/no/off/empty, any case; else an error."""
     lowered = value.strip().lower()
@@ -50,24 +55,27 @@ def parse_bool(value: str, where: str) -> bool:
         return True
     if lowered in FALSE_WORDS:
         return False
-    raise ValueError(f"Invalid boolean {value!r} from {where} (use 1/0, true/false, yes/no, on/off)")
+    raise SettingsError(f"Invalid boolean {value!r} from {where} "
+                        "(use 1/0, true/false, yes/no, on/off)")
 
 
 def parse_modules(value: str, where: str) -> tuple[str, ...]:
     modules = tuple(m.strip() for m in value.split(",") if m.strip())
     for m in modules:
         if not all(part.isidentifier() for part in m.split(".")):
-            raise ValueError(f"Invalid module name {m!r} from {where}")
+            raise SettingsError(f"Invalid module name {m!r} from {where} "
+                                "(comma-separated module names, like torch,megatron.core)")
     return modules
 
 
 def _number(kind, value: str, where: str, minimum: float = 0):
+    accepted = f"({'a whole number' if kind is int else 'a number'}, at least {minimum:g})"
     try:
         number = kind(value)
     except ValueError:
-        raise ValueError(f"Invalid {kind.__name__} {value!r} from {where}") from None
+        raise SettingsError(f"Invalid {kind.__name__} {value!r} from {where} {accepted}") from None
     if number < minimum:
-        raise ValueError(f"{where} must be at least {minimum}, not {value!r}")
+        raise SettingsError(f"{where} must be at least {minimum:g}, not {value!r}")
     return number
 
 
@@ -78,13 +86,13 @@ def parse_gpus(value: str, where: str) -> str:
         return ""
     parts = value.split(",")
     if value != "auto" and not all(p.strip() for p in parts):
-        raise ValueError(f"Invalid GPU list {value!r} from {where} (auto, or ids like 0,1,2)")
+        raise SettingsError(f"Invalid GPU list {value!r} from {where} (auto, or ids like 0,1,2)")
     return value
 
 
 def _choice(value: str, choices: tuple[str, ...], where: str) -> str:
     if value not in choices:
-        raise ValueError(f"Invalid value {value!r} from {where} (one of: {', '.join(choices)})")
+        raise SettingsError(f"Invalid value {value!r} from {where} (one of: {', '.join(choices)})")
     return value
 
 
@@ -180,7 +188,7 @@ def _quarantine(value: Optional[str]) -> dict:
     try:
         data = json.loads(value)
     except ValueError:
-        raise ValueError(f"Invalid JSON from {QUARANTINE_ENV} environment variable") from None
+        raise SettingsError(f"Invalid JSON from {QUARANTINE_ENV} environment variable") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -195,6 +203,17 @@ def preload_modules(explicit: Optional[str] = None, ini: Optional[str] = None,
     if ini is not None:
         return parse_modules(ini, "preload_launcher_modules ini option")
     return DEFAULT_MODULES
+
+
+def preload_source(explicit: Optional[str] = None, ini: Optional[str] = None,
+                   environ: Mapping[str, str] = os.environ) -> str:
+    """Where ``preload_modules`` took the list from, by the same precedence ("" for the
+    default list): a module the user named is worth a warning when it cannot be imported."""
+    if explicit is not None:
+        return "--preload"
+    if Settings.from_env(environ).modules is not None:
+        return "PRELOAD_LAUNCHER_MODULES"
+    return "the preload_launcher_modules ini option" if ini is not None else ""
 
 
 def import_env_mismatch(import_env: Mapping[str, Optional[str]],

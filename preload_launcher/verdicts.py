@@ -14,6 +14,7 @@ import sys
 from typing import Optional
 
 from .files import read_json, write_json
+from .identity import interpreter_identity
 
 __all__ = ["VerdictCache", "package_fingerprint", "LEARNED", "DEFER", "SCOUTED"]
 
@@ -26,12 +27,12 @@ SCOUTED = "scouted:"  # verdict-cache prefix for entries known to import cleanly
 
 def package_fingerprint(path: Optional[list[str]] = None) -> str:
     """A hash of every distribution installed on ``path`` (default ``sys.path``: in the zygote,
-    a fresh interpreter's without ``sys.path[0]``), and the interpreter."""
+    a fresh interpreter's without ``sys.path[0]``), and the interpreter (any of its names)."""
     import importlib.metadata  # here, not at module level: `preload-launcher run` starts faster
 
     items = sorted(f"{d.metadata['Name']}=={d.version}"
                    for d in importlib.metadata.distributions(path=sys.path if path is None else path))
-    return hashlib.sha256("\n".join([sys.executable, sys.version, *items]).encode()).hexdigest()[:16]
+    return hashlib.sha256("\n".join([interpreter_identity(), *items]).encode()).hexdigest()[:16]
 
 
 class VerdictCache:

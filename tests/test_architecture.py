@@ -34,13 +34,25 @@ def package_imports(tree: ast.AST) -> list[tuple[str, bool]]:
     return found
 
 
-def test_importing_the_package_loads_only_the_callers_side():
+def loaded_by(code: str) -> set[str]:
+    """The package's modules that ``code`` loads in a fresh interpreter."""
     out = subprocess.run(
-        [sys.executable, "-c", "import preload_launcher, sys; "
+        [sys.executable, "-c", f"import sys; {code}; "
          "print(' '.join(m for m in sys.modules if m.startswith('preload_launcher.')))"],
         capture_output=True, text=True, check=True).stdout.split()
-    loaded = {m.split(".", 1)[1] for m in out}
-    assert loaded and not loaded & ZYGOTE_SIDE, loaded
+    return {m.split(".", 1)[1] for m in out}
+
+
+def test_importing_the_package_loads_only_the_callers_side():
+    loaded = loaded_by("import preload_launcher; preload_launcher.run")
+    assert "client" in loaded and not loaded & ZYGOTE_SIDE, loaded
+
+
+def test_a_run_without_a_daemon_loads_neither_the_client_nor_the_zygote_side():
+    """The console script's import path and `run`'s own, before it knows a zygote is needed."""
+    loaded = loaded_by("import preload_launcher.cli, preload_launcher.cli_run")
+    assert loaded == {"cli", "cli_run", "daemon_files", "files", "identity", "reporting",
+                      "settings"}, loaded
 
 
 def test_no_import_cycles_and_no_function_level_package_imports():

@@ -11,6 +11,8 @@ from preload_launcher.cli import build_parser
 from conftest import PY
 
 CLI = [PY, "-m", "preload_launcher.cli"]
+# A step worth a daemon: `run` starts none after a command that used under a second of CPU.
+BUSY = "import sys, time\nwhile time.process_time() < 1.1:\n    pass\n"
 
 
 def cli(*args, env=None, timeout=120):
@@ -56,21 +58,26 @@ def test_stop_and_status_say_why_there_is_nothing(runtime):
         assert out.returncode == 1
         assert "none is running" in out.stderr or "no daemon is running" in out.stderr, out.stderr
     assert cli("serve", "--detach", "--preload", "json,logging", env=runtime).returncode == 0
-    out = cli("stop", env=runtime)  # the default list names json only
-    assert out.returncode == 1
-    assert "no daemon preloads json; running: pid" in out.stderr and "json,logging" in out.stderr
-    assert "--preload MODULES or --all" in out.stderr
-    status = cli("status", env=runtime)
-    assert status.returncode == 0 and "preloaded: json, logging" in status.stdout
+    for verb in ("stop", "status"):  # PRELOAD_LAUNCHER_MODULES names json only
+        out = cli(verb, env=runtime)
+        assert out.returncode == 1
+        assert "no daemon preloads json; running: pid" in out.stderr and "json,logging" in out.stderr
+        assert "--preload MODULES or --all" in out.stderr
+    for choice in (["--all"], ["--preload", "json,logging"]):
+        status = cli("status", *choice, env=runtime)
+        assert status.returncode == 0 and "preloaded: json, logging" in status.stdout
     assert cli("stop", "--preload", "json,logging", env=runtime).returncode == 0
 
 
 def test_a_one_off_run_is_a_plain_process_that_starts_a_daemon_for_the_next(runtime, tmp_path):
     step = tmp_path / "step.py"
-    step.write_text("import sys; print('hello from', sys.argv[1]); sys.exit(3)\n")
+    step.write_text(BUSY + "print('hello from', sys.argv[1]); sys.exit(3)\n")
     first = cli("run", "-v", "--", PY, str(step), "one", env=runtime)
     assert (first.returncode, first.stdout) == (3, "hello from one\n")
-    assert "ran through a plain process: no daemon preloads json; one is starting" in first.stderr
+    assert "ran through a plain process: no daemon preloaded json yet" in first.stderr
+    assert ("started a daemon preloading json in the background" in first.stderr
+            and "It stops after 30 idle minutes; `preload-launcher stop` stops it now"
+            in first.stderr), first.stderr
     deadline = time.monotonic() + 60
     while cli("status", env=runtime).returncode != 0:
         assert time.monotonic() < deadline, "no daemon started"
@@ -123,7 +130,7 @@ def test_preload_progress_shows_on_a_terminal_only(tmp_path):
 
 
 def test_stop_right_after_a_one_off_run_stops_the_daemon_it_started(runtime):
-    assert cli("run", "--", PY, "-c", "pass", env=runtime).returncode == 0  # starts one
+    assert cli("run", "--", PY, "-c", BUSY, env=runtime).returncode == 0  # starts one
     stop = cli("stop", env=runtime)
     assert stop.returncode == 0 and "stopped pid" in stop.stdout, stop.stderr
     assert cli("status", env=runtime).returncode == 1

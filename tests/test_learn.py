@@ -61,9 +61,10 @@ def test_a_step_teaches_the_next_zygote(learn_site):
         zygote = launcher.zygote_for(env)
         learned = zygote.status["preload"]["learned"]
         assert learned["loaded"] >= 1
-        start = time.perf_counter()
+        imports = log.read_text().count("slow_a")
         again = launcher.run([PY, "-c", code], env=env, cwd=str(project))
-        assert again.stdout == "ok\n" and time.perf_counter() - start < 0.4  # slow_a is preloaded
+        assert again.stdout == "ok\n"
+        assert log.read_text().count("slow_a") == imports  # preloaded: the step imports nothing
     finally:
         launcher.close()
     # The first step, the second zygote and perhaps the first zygote while idle (timing).
@@ -160,9 +161,9 @@ def test_idle_learning_serves_a_later_step_of_the_same_session(learn_site):
         while zygote.request("status")["preload"]["learned"].get("in_session", 0) < 2:
             assert time.monotonic() < deadline, "the zygote did not learn while idle"
             time.sleep(0.1)
-        start = time.perf_counter()
         second = launcher.run([PY, "-c", code], env=env, cwd=str(project))
-        assert second.stdout == "ok\n" and time.perf_counter() - start < 0.4  # preloaded now
-        assert log.read_text().count("slow_a") == 2  # the first step, then the zygote
+        assert second.stdout == "ok\n"
+        assert log.read_text().count("slow_a") == 2  # the first step, then the zygote: not the
+        assert log.read_text().count("slow_b") == 2  # second step, which found both preloaded
     finally:
         launcher.close()

@@ -87,23 +87,23 @@ def test_hanging_rank_is_ended_by_timeout_with_the_whole_group(torch_launcher, t
     before = set(_children_of_zygotes(torch_launcher))
     with pytest.raises(subprocess.TimeoutExpired):
         torch_launcher.run(args, timeout=5)
-    time.sleep(0.5)
-    leftovers = set(_children_of_zygotes(torch_launcher)) - before
-    assert not leftovers
+    deadline = time.monotonic() + 30
+    while set(_children_of_zygotes(torch_launcher)) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(_children_of_zygotes(torch_launcher)) - before
 
 
 def test_sigkilled_rank_stops_its_sibling(torch_launcher, tmp_path):
     code = ("import os, signal, time, torch.distributed as dist\n"
             "dist.init_process_group('gloo')\n"
             "if dist.get_rank() == 0: os.kill(os.getpid(), signal.SIGKILL)\n"
-            "time.sleep(120)\n")
+            "time.sleep(600)\n")
     script = tmp_path / "killed.py"
     script.write_text(code)
-    start = time.monotonic()
-    got = torch_launcher.run([TORCHRUN, "--nproc_per_node=2", str(script)], timeout=60)
+    # Rank 1 would sleep far past the timeout: the step ends only if it is stopped.
+    got = torch_launcher.run([TORCHRUN, "--nproc_per_node=2", str(script)], timeout=120)
     assert got.returncode == -9
     assert "Signal 9 (SIGKILL) received by PID" in got.stdout
-    assert time.monotonic() - start < 40
 
 
 def test_unsupported_launches_run_real_torchrun(torch_launcher):

@@ -116,7 +116,10 @@ def test_dirty_zygote_never_forks_a_step(fake_site):
         assert first.via == "zygote"
         zygote = launcher.zygotes[0]
         os.kill(zygote.process.pid, signal.SIGUSR1)  # the zygote 'initialises CUDA'
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while not zygote.request("status")["driver_initialized"]:
+            assert time.monotonic() < deadline, "the zygote never ran its SIGUSR1 handler"
+            time.sleep(0.02)
         second = launcher.run([PY, "-c", "print('ok')"], env=env)
         assert (second.via, second.stdout) == ("subprocess", "ok\n")
         assert "CUDA driver is initialised" in second.reason

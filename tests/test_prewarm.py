@@ -76,6 +76,9 @@ def rank_pids(output):
 RANK_PID = ("import os, torch.distributed as dist\n"
             "dist.init_process_group('gloo')\n"
             "os.write(1, f\"PID {os.getpid()} {os.environ['RANK']} {os.environ['WORLD_SIZE']}\\n\".encode())\n"
+            # No rank leaves before every rank's mesh is connected (gloo's connectFullMesh
+            # fails with 'Connection closed by peer' when a peer exits first, on a loaded machine).
+            "dist.barrier()\n"
             "dist.destroy_process_group()\n")
 
 

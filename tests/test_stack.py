@@ -46,7 +46,7 @@ def test_modelopt_quantize_step(stack_launcher):
 
 
 def test_preloaded_stack_is_not_reimported_by_steps(stack_launcher):
-    code = ("import sys, time; t = time.perf_counter(); import torch, megatron.core, modelopt.torch; "
-            "print(round(time.perf_counter() - t, 3))")
+    code = ("import sys; print(all(m in sys.modules for m in "
+            "('torch', 'megatron.core', 'modelopt.torch')))")
     result = stack_launcher.run([PY, "-c", code])
-    assert float(result.stdout) < 0.05  # already in sys.modules
+    assert result.stdout == "True\n"  # already in sys.modules before the program's first line

@@ -255,8 +255,11 @@ def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, t
             out += read()
         return out
 
+    # As a terminal's shell starts them, even when this suite runs with SIGINT ignored (`cmd &`
+    # in a script, nohup): an ignored disposition is inherited, and python then keeps it.
     real = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
+                            start_new_session=True, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     until_ready(lambda: real.stdout.readline())
     os.killpg(real.pid, signal.SIGINT)
     real_out = real.stdout.read()
@@ -264,7 +267,11 @@ def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, t
 
     zygote = torch_launcher.zygote_for(env)
     out_r, out_w = os.pipe()
-    sock = zygote.submit(parse_command(args, env, str(tmp_path)), [0, out_w])
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # the same for ours
+    try:
+        sock = zygote.submit(parse_command(args, env, str(tmp_path)), [0, out_w])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     os.close(out_w)
     until_ready(lambda: os.read(out_r, 4096).decode())
     protocol.send_op(sock, "signal", signum=signal.SIGINT)

@@ -1,0 +1,306 @@
+"""Model-Optimizer's example tests both ways in one call: as the suite runs them (each step a plain
+subprocess) and with ``_run_capturing`` swapped for the launcher (scripts/gpu/modelopt_lane_swap.py),
+each way a fresh pytest session, the launcher's from an empty cache.
+
+    python3 scripts/gpu/modelopt_lane.py --checkout .modelopt --lanes spec,spec_ptq,onnx --out DIR
+
+Writes to DIR: report.txt (per-test call time and outcome both ways, the whole pytest wall both
+ways, parity, the launcher plugin's summary, per-test step time), <way>.log (pytest's output),
+<way>.xml (junit, call durations), and steps.jsonl (every example step: test, command, via,
+reason, seconds). scripts/gpu/modelopt_lane.sh sets up the
+wheels and PYTHONPATH on the GPU machine and calls this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+SPEC = "tests/examples/speculative_decoding/test_eagle.py::"
+SPEC_PTQ = "tests/examples/speculative_decoding/test_eagle_offline_ptq.py::"
+ONNX = "tests/examples/torch_onnx/test_hf_embedding_quant_to_onnx.py"
+
+# Each lane: the example tests that run on one GPU without the hub, in the suite's file order
+# (later tests use earlier tests' outputs).
+LANES = {
+    "spec": [SPEC + "test_calibrate_draft_vocab",
+             SPEC + "test_llama_eagle3[1-False]",
+             SPEC + "test_llama_eagle3[1-True]",
+             SPEC + "test_resume_training",
+             SPEC + "test_ar_validate",
+             SPEC + "test_export_hf_checkpoint",
+             SPEC + "test_convert_to_vllm_ckpt",
+             SPEC + "test_offline_eagle3_training[tinyllama]",
+             SPEC + "test_eagle3_dry_run"],
+    # hf_ptq on a tiny model: hidden states -> offline EAGLE training -> hf_ptq.py fp8 + export
+    "spec_ptq": [SPEC_PTQ + "test_collect_hidden_states",
+                 SPEC_PTQ + "test_offline_eagle_training",
+                 SPEC_PTQ + "test_offline_ptq"],
+    "onnx": [ONNX],
+    # Disjoint parts of the above that each fit one device call (600 s) both ways on one H200:
+    # short,onnx, then spec_train, then spec_compile (torch.compile's warm-up, ~2 min a way).
+    # short: the shortest chain with every kind of step (python, bash -> accelerate launch, hf_ptq).
+    "short": [SPEC + "test_calibrate_draft_vocab",
+              SPEC + "test_eagle3_dry_run",
+              SPEC_PTQ + "test_collect_hidden_states",
+              SPEC_PTQ + "test_offline_eagle_training",
+              SPEC_PTQ + "test_offline_ptq"],
+    "spec_train": [SPEC + "test_llama_eagle3[1-True]",
+                   SPEC + "test_resume_training",
+                   SPEC + "test_ar_validate",
+                   SPEC + "test_export_hf_checkpoint",
+                   SPEC + "test_convert_to_vllm_ckpt",
+                   SPEC + "test_offline_eagle3_training[tinyllama]"],
+    "spec_compile": [SPEC + "test_llama_eagle3[1-False]"],
+}
+
+DROPPED = [
+    ("speculative_decoding test_llama_eagle3[2-*]", "multi-GPU only (cp_size=2; skips on one GPU)"),
+    ("speculative_decoding test_offline_eagle3_training[kimi-k2.5, kimi-k2-thinking, minimax-m2.5], "
+     "test_offline_resume_training_kimi", "needs the hub (remote model configs); two are manual"),
+    ("speculative_decoding test_server_generate_vlm_sglang", "needs sglang and a server"),
+    ("torch_onnx test_torch_onnx[*] (20), test_torch_onnx_recipe_flag",
+     "needs the hub (zh-plus/tiny-imagenet); test_torch_onnx also needs TensorRT (--trt_build)"),
+    ("hf_ptq test_llm_ptq, test_deploy, test_vlm_ptq",
+     "needs the hub (TinyLlama-1.1B, BART, T5, ... and cnn_dailymail); offline hf_ptq runs in spec_ptq"),
+    ("llm_distill test_llama_distill", "needs the hub (ReactiveAI/smol-smoltalk-Interaction-SFT)"),
+    ("llm_qat test_*", "needs the hub (abisee/cnn_dailymail); the deepspeed cases need deepspeed"),
+    ("llm_sparsity test_llama_sparsity*, test_attention_sparsity",
+     "needs the hub (cnn_dailymail calibration; RULER data for attention calibration)"),
+    ("megatron_bridge test_*", "needs Transformer Engine: five device calls to carry its 276 MB "
+     "core wheel plus a 90-115 s build (scripts/gpu/transformer_engine.sh)"),
+]
+
+DEFAULT_MODULES = "torch,transformers,accelerate,datasets,modelopt.torch"
+WAYS = ("launcher", "subprocess")
+
+
+def plugin_installed() -> bool:
+    """The launcher's plugin registered by entry point (an installed package)."""
+    return any(ep.name == "preload_launcher"
+               for ep in importlib.metadata.entry_points(group="pytest11"))
+
+
+def pytest_command(way: str, tests: list[str], out: str, basetemp: str) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-o", "junit_duration_report=call",
+           "-o", "junit_logging=system-out", "-o", "junit_log_passing_tests=false",
+           "-v", "-rA", "--durations=0", "--strict-markers", "-p", "no:cacheprovider",
+           "-p", "modelopt_lane_swap", f"--junitxml={os.path.join(out, way + '.xml')}",
+           f"--basetemp={basetemp}"]
+    if way == "launcher":
+        if not plugin_installed():  # -p: the plugin by name where the package is on PYTHONPATH
+            cmd += ["-p", "preload_launcher.pytest_plugin"]
+    else:
+        cmd += ["-p", "no:preload_launcher"]
+    return cmd + tests
+
+
+def session_env(way: str, args, cache: str, steps: str) -> dict:
+    env = dict(os.environ)
+    path = [os.path.abspath(args.checkout)] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    env.update(PYTHONPATH=":".join(path + [ROOT, HERE]), MODELOPT_LANE_WAY=way,
+               MODELOPT_LANE_STEPS=steps, PRELOAD_LAUNCHER_CACHE_DIR=cache,
+               PRELOAD_LAUNCHER_MODULES=args.modules, PYTHONUNBUFFERED="1",
+               # The GPU machine has no network: the same everywhere, so nothing waits on DNS.
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PRELOAD_LAUNCHER", None)
+    if way == "subprocess":
+        env["PRELOAD_LAUNCHER"] = "0"
+    return env
+
+
+def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
+    cache = tempfile.mkdtemp(prefix=f"lane-cache-{way}-")  # empty launcher cache
+    basetemp = tempfile.mkdtemp(prefix=f"lane-tmp-{way}-")
+    log = os.path.join(args.out, way + ".log")
+    env = session_env(way, args, cache, os.path.join(args.out, "steps.jsonl"))
+    cmd = pytest_command(way, tests, args.out, basetemp)
+    print(f"== {way}: {' '.join(cmd[1:])}\n   cache {cache} (empty: {not os.listdir(cache)})",
+          flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=args.checkout, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.session_limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+            print(f"   {way}: stopped after {args.session_limit_s} s (--session-limit-s)", flush=True)
+    wall = time.perf_counter() - start
+    shutil.rmtree(basetemp, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    return wall, rc, log
+
+
+def junit_results(path: str) -> dict[str, tuple[str, float, str]]:
+    """test name -> (outcome, call seconds, the root cause of a failure)."""
+    if not os.path.exists(path):
+        return {}
+    results = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        outcome, cause = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                cause = root_cause(case, child)
+                break
+        results[name] = (outcome, float(case.get("time") or 0.0), cause)
+    return results
+
+
+def root_cause(case, child) -> str:
+    """The step's own last exception line (from the test's captured output), else the message."""
+    texts = [c.text or "" for c in case if c.tag == "system-out"] + [child.text or ""]
+    for text in texts:
+        lines = [ln.strip() for ln in text.splitlines()
+                 if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*", ln.strip())
+                 and "CalledProcessError" not in ln]
+        if lines:
+            return lines[-1][:160]
+    return (child.get("message") or "").splitlines()[0][:160] if child.get("message") else ""
+
+
+def short_name(nodeid: str) -> str:
+    """tests/x/test_a.py::test_b[p] -> test_a::test_b[p], as junit_results names a test."""
+    path, _, name = nodeid.partition("::")
+    return f"{os.path.splitext(os.path.basename(path))[0]}::{name}"
+
+
+def step_seconds(path: str) -> dict[tuple[str, str], list[dict]]:
+    rows: dict[tuple[str, str], list[dict]] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                rows.setdefault((row["way"], short_name(row["test"])), []).append(row)
+    return rows
+
+
+def plugin_summary(log: str) -> list[str]:
+    """The launcher plugin's terminal summary section from pytest's output."""
+    lines, keep = [], False
+    with open(log, errors="replace") as f:
+        for line in f:
+            if line.startswith("=") or line.startswith("-"):
+                keep = "preload_launcher" in line
+                continue
+            if keep:
+                lines.append(line.rstrip())
+    return lines
+
+
+def report(args, tests, walls: dict, logs: dict) -> str:
+    res = {way: junit_results(os.path.join(args.out, way + ".xml")) for way in walls}
+    steps = step_seconds(os.path.join(args.out, "steps.jsonl"))
+    names = list(dict.fromkeys(n for way in walls for n in res[way]))
+    out = [f"# Model-Optimizer example tests, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+           f"on {os.uname().nodename}; Python {sys.version.split()[0]}; {gpu_line()}",
+           f"# checkout {args.checkout} at {checkout_commit(args.checkout)}; lanes {args.lanes}; "
+           f"preload {args.modules}; each way a fresh pytest session, launcher from an empty cache",
+           "", f"{'test':66} {'subprocess':>16} {'launcher':>16} {'ratio':>6}  steps sub/launch"]
+    for name in names:
+        row = [f"{name[:66]:66}"]
+        for way in ("subprocess", "launcher"):
+            outcome, secs, _ = res.get(way, {}).get(name, ("-", 0.0, ""))
+            row.append(f"{outcome[:6]:>7} {secs:7.1f}s" if way in walls else f"{'-':>16}")
+        sub, lau = res.get("subprocess", {}).get(name), res.get("launcher", {}).get(name)
+        ratio = f"{sub[1] / lau[1]:5.1f}x" if sub and lau and lau[1] > 0.05 else "     -"
+        ss = sum(r["seconds"] for r in steps.get(("subprocess", name), []))
+        ls = sum(r["seconds"] for r in steps.get(("launcher", name), []))
+        out.append(" ".join(row) + f" {ratio}  {ss:.1f}/{ls:.1f}s")
+    for way in WAYS:
+        if way in walls:
+            counts = {}
+            for outcome, _, _ in res[way].values():
+                counts[outcome] = counts.get(outcome, 0) + 1
+            out.append(f"whole pytest wall, {way:10}: {walls[way][0]:7.1f} s (exit {walls[way][1]}; "
+                       f"{', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})")
+    if len(walls) == 2:
+        share = walls["launcher"][0] / walls["subprocess"][0]
+        out.append(f"launcher wall / subprocess wall = {share:.0%} (goal <= 40%: "
+                   f"{'met' if share <= 0.40 else 'missed'}); speed-up {1 / share:.2f}x")
+        broken = [n for n in names if res["subprocess"].get(n, ("",))[0] == "passed"
+                  and res["launcher"].get(n, ("",))[0] != "passed"]
+        out.append("parity: every test that passed as subprocesses passed through the launcher"
+                   if not broken else f"PARITY BROKEN: {broken}")
+        for n in names:
+            for way in WAYS:
+                outcome, _, msg = res[way].get(n, ("", 0, ""))
+                if outcome in ("failed", "error", "skipped"):
+                    out.append(f"  {way} {outcome} {n}: {msg}")
+    out += ["", "steps (test, command, via, reason, seconds):"]
+    for (way, test), rows in steps.items():
+        for r in rows:
+            out.append(f"  {way:10} {test[:55]:55} {r['cmd'][:40]:40} {r['via']:10} "
+                       f"{r['seconds']:6.1f}s rc={r['returncode']} {r['reason']}")
+    if "launcher" in logs:
+        out += ["", "launcher plugin summary:"] + ["  " + line for line in plugin_summary(logs["launcher"])]
+    out += ["", "dropped:"] + [f"  {what}: {why}" for what, why in DROPPED]
+    return "\n".join(out) + "\n"
+
+
+def gpu_line() -> str:
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split("\n")
+        names = [n for n in names if n.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        names = []
+    return f"{len(names)} x {names[0]}" if names else f"no GPU, {os.cpu_count()} CPUs"
+
+
+def checkout_commit(checkout: str) -> str:
+    path = os.path.join(checkout, "COMMIT")
+    return open(path).read().strip() if os.path.exists(path) else "unknown commit"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkout", default=os.path.join(ROOT, ".modelopt"))
+    parser.add_argument("--lanes", default="spec,spec_ptq,onnx",
+                        help=f"comma-separated, of {', '.join(LANES)}")
+    parser.add_argument("--tests", default="", help="comma-separated node ids instead of --lanes")
+    parser.add_argument("--ways", default="launcher,subprocess",
+                        help="order of the two sessions (the first pays cold disk caches)")
+    parser.add_argument("--modules", default=DEFAULT_MODULES, help="the launcher's preload set")
+    parser.add_argument("--session-limit-s", type=float, default=540,
+                        help="stop a pytest session after this many seconds")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "lane-out")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    args.checkout = os.path.abspath(args.checkout)
+    tests = ([t for t in args.tests.split(",") if t] or
+             [t for lane in args.lanes.split(",") for t in LANES[lane]])
+    open(os.path.join(args.out, "steps.jsonl"), "w").close()
+    walls, logs = {}, {}
+    for way in args.ways.split(","):
+        wall, rc, log = run_session(way, args, tests)
+        walls[way], logs[way] = (wall, rc), log
+        print(f"   {way}: {wall:.1f} s, exit {rc}", flush=True)
+    text = report(args, tests, walls, logs)
+    with open(os.path.join(args.out, "report.txt"), "w") as f:
+        f.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

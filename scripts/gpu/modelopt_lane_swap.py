@@ -1,0 +1,70 @@
+"""pytest plugin for the Model-Optimizer lane (scripts/gpu/modelopt_lane.py): the one-line swap a
+Model-Optimizer-style suite makes to adopt the launcher, applied from outside its checkout.
+
+    python -m pytest -p preload_launcher.pytest_plugin -p modelopt_lane_swap tests/examples/...
+
+Model-Optimizer's ``run_example_command`` calls ``_run_capturing(cmd_parts, cwd, env)`` in
+``tests/_test_utils/examples/run_command.py``, which runs ``subprocess.run(..., stdout=PIPE,
+stderr=STDOUT, text=True)``, prints the output and returns ``(returncode, output)``. This plugin
+replaces that function by one that does the same through ``preload_launcher.run`` (what
+``preload_launcher.run_capturing`` does, keeping the result's ``via``/``reason`` for the lane's
+log). Nothing of the suite's files is edited. With ``MODELOPT_LANE_WAY=subprocess`` the suite's
+own function stays and is only timed. Each step is appended as one JSON line to
+``$MODELOPT_LANE_STEPS`` (if set): the way, the test, the command, how it ran and why, seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import preload_launcher
+
+MODULE = "_test_utils.examples.run_command"
+
+
+def _record(cmd_parts, via: str, reason: str, returncode: int, seconds: float) -> None:
+    path = os.environ.get("MODELOPT_LANE_STEPS")
+    if not path:
+        return
+    row = {"way": os.environ.get("MODELOPT_LANE_WAY", "launcher"),
+           "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+           "cmd": " ".join(str(p) for p in cmd_parts[:3]), "via": via, "reason": reason,
+           "returncode": returncode, "seconds": round(seconds, 2)}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _run_capturing(cmd_parts, cwd, env):
+    """The suite's helper, through the launcher: same arguments, same printing, same result."""
+    start = time.perf_counter()
+    result = preload_launcher.run(cmd_parts, cwd=cwd, env=env)
+    print(result.stdout, end="")
+    _record(cmd_parts, result.via, result.reason or "", result.returncode,
+            time.perf_counter() - start)
+    return result.returncode, result.stdout
+
+
+def _timed(original):
+    def _run_capturing(cmd_parts, cwd, env):
+        start = time.perf_counter()
+        returncode, output = original(cmd_parts, cwd, env)
+        _record(cmd_parts, "subprocess", "the suite's own helper", returncode,
+                time.perf_counter() - start)
+        return returncode, output
+    return _run_capturing
+
+
+def pytest_configure(config) -> None:
+    # The suite's ini puts tests/ on sys.path before plugins are configured; run_example_command
+    # looks its helper up at call time, so replacing the module attribute is the whole swap.
+    import importlib
+
+    module = importlib.import_module(MODULE)
+    if not hasattr(module, "_run_capturing"):
+        raise RuntimeError(f"{MODULE} has no _run_capturing: the suite changed its helper")
+    if os.environ.get("MODELOPT_LANE_WAY") == "subprocess":
+        module._run_capturing = _timed(module._run_capturing)
+    else:
+        module._run_capturing = _run_capturing
