@@ -24,7 +24,7 @@ from .files import remove_all, unlink_all, zygote_files
 from .gpus import pool_ids as gpu_pool_ids
 from .result import LauncherError, StepResult
 from .settings import Settings, ZygoteConfig
-from .stdio import guarded_stdio, open_stdio
+from .stdio import guarded_stdio
 from .waiting import StepWait, decode, run_subprocess, wait_for_step
 
 __all__ = ["ZygoteProcess", "Launcher", "run", "run_capturing", "default_launcher"]
@@ -533,8 +533,9 @@ class Launcher:
         """The step's result, or the ``fallback`` event saying why it cannot be served."""
         requested_at = time.time()
         start = time.monotonic()
-        stdio = open_stdio()  # the step gets the caller's open ones, as with subprocess
-        with guarded_stdio():  # our pipe and socket must not take a closed one's number
+        # Our pipe and socket must not take a closed fd's number; the step gets the caller's
+        # open ones (``stdio``), as with subprocess.
+        with guarded_stdio() as stdio:
             out_r, out_w = os.pipe() if capture else (None, None)
             fds, spec.fd_targets = _step_fds(stdio, out_w)
             try:

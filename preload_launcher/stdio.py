@@ -33,10 +33,12 @@ def open_stdio() -> list[int]:
 
 
 @contextlib.contextmanager
-def guarded_stdio() -> Iterator[None]:
-    """Within: fds created land above 2. Costs three fstat calls when 0-2 are open."""
-    if len(open_stdio()) == len(STDIO):
-        yield
+def guarded_stdio() -> Iterator[list[int]]:
+    """Within: fds created land above 2. Yields which of 0-2 the caller has open (three fstat
+    calls are the whole cost when all are)."""
+    caller_open = open_stdio()
+    if len(caller_open) == len(STDIO):
+        yield caller_open
         return
     with _lock:
         held = []
@@ -48,7 +50,7 @@ def guarded_stdio() -> Iterator[None]:
                         os.close(placeholder)
                         continue
                     held.append(fd)
-            yield
+            yield caller_open
         finally:
             for fd in held:
                 os.close(fd)
