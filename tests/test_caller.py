@@ -268,3 +268,16 @@ def test_arguments_are_taken_and_refused_as_subprocess_takes_them(light, args, k
     step is forked, not refused for a differing import environment.)"""
     expected = outcome_of(plain_run, args, **kwargs)
     assert outcome_of(light.run, args, **kwargs) == expected
+
+
+def test_a_shells_python_with_stdin_closed_is_still_forked(light):
+    """A stand-in passes the fds its program has: a closed stdin is not refused (that fell back
+    to the real interpreter), and stays closed in the forked program."""
+    env = dict(os.environ, PATH=os.path.dirname(PY) + os.pathsep + os.environ["PATH"])
+    args = ["bash", "-c", 'exec 0<&-; python3 -c "$1"', "bash", CLOSED_PROBE]
+    expected = plain_run(args, env=env)
+    before = light.standin_steps()
+    got = light.run(args, env=env)
+    assert (got.returncode, got.stdout) == (expected.returncode, expected.stdout)
+    assert "streams [True, False, False]" in got.stdout
+    assert light.standin_steps() == before + 1
