@@ -25,6 +25,7 @@ from . import cuda, elastic, protocol, rendezvous, runtime
 from .command import PythonTarget, StepSpec, Unsupported, launcher_interpreter, parse_python_argv
 from .ranks import RankHandle, fork_waiting_ranks, release_ranks
 from .settings import Settings
+from .caller_fds import open_stdio
 
 __all__ = ["run_agent", "serve_launch", "unsupported_reason"]
 
@@ -197,17 +198,18 @@ class Agent:
         self.store = None  # the rendezvous store the agent hosts
 
     def send_orders(self, addr: str, port: int) -> None:
-        """Everything a rank needs: its env (torchrun's contract), cwd, argv, log files, stdio."""
+        """Everything a rank needs: its env (torchrun's contract), cwd, target, log files, stdio."""
         envs = rendezvous.rank_envs(self.config, addr, port, self.logs.error_files,
                                     dict(os.environ))
+        stdio = open_stdio()  # the agent's own, as torchrun's ranks inherit them
         for rank, handle in self.handles.items():
             target = dataclasses.replace(self.target,
                                          args=rendezvous.rank_args(self.target.args, rank))
             orders = StepSpec(args=self.spec.args, env=envs[rank], cwd=os.getcwd(),
                               target=target, stdout_file=self.logs.stdouts.get(rank, ""),
                               stderr_file=self.logs.stderrs.get(rank, ""),
-                              thread_counts=self.spec.thread_counts, fd_targets=[0, 1, 2])
-            protocol.send_request(handle.sock, orders.to_json_dict(), [0, 1, 2])
+                              thread_counts=self.spec.thread_counts, fd_targets=stdio)
+            protocol.send_request(handle.sock, orders.to_json_dict(), stdio)
             self.reports[handle.pid] = handle.sock
             self.readers[handle.pid] = protocol.EventReader()
 

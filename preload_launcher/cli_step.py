@@ -30,7 +30,8 @@ def run_forked(args: argparse.Namespace, modules: Sequence[str], named_in: str) 
     else:
         how = "a one-off zygote"
     try:
-        result = launcher.run(args.command, timeout=args.timeout, echo=True)
+        # The step gets the CLI's own stdin, stdout and stderr, a terminal included.
+        result = launcher.run(args.command, timeout=args.timeout, capture=False)
     except KeyboardInterrupt:
         return -signal.SIGINT
     except subprocess.TimeoutExpired:

@@ -7,15 +7,10 @@ output pipe, the timeout and the kill-on-any-exception rule.
 from __future__ import annotations
 
 import builtins
-import codecs
 import errno
-import io
 import itertools
-import locale
 import os
 import select
-import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -24,24 +19,21 @@ import time
 from typing import Mapping, Optional, Sequence, Union
 
 from . import cuda, process_attrs, protocol, settings, standin
+from .arguments import check_args, check_cwd, check_env
 from .command import StepSpec, Unsupported, parse_command, resolves_to_this_interpreter
 from .files import remove_all, unlink_all, zygote_files
 from .gpus import pool_ids as gpu_pool_ids
 from .interpreter import ZYGOTE_CWD, import_env_mismatch
 from .result import LauncherError, StepResult, ZygoteDied
 from .settings import Settings, ZygoteConfig
+from .caller_fds import guarded_stdio
+from .waiting import StepWait, decode, run_subprocess, wait_for_step
 
 __all__ = ["ZygoteProcess", "Launcher", "run", "run_capturing", "default_launcher"]
 
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXIT_DRAIN_S = 0.5  # after the step's exit, how long escaped grandchildren may hold the output
-KILL_WAIT_S = 10.0
-INTERRUPT_GRACE_S = 0.25  # as subprocess.run gives a child on Ctrl-C
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _zygote_ids = itertools.count()
-# Popen(process_group=0) is Python >= 3.11; setpgid in the child is the same on 3.10.
-OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
-                     else {"preexec_fn": os.setpgrp})
 COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 
 # The zygote's command line: ``python -u -c BOOTSTRAP PKG_PARENT CONFIG_JSON``. sys.path keeps
@@ -103,6 +95,12 @@ class ZygoteProcess:
 
     def launch(self) -> "ZygoteProcess":
         """Start the zygote without waiting for its preload (see ``wait_ready``)."""
+        with guarded_stdio():  # a closed fd 0-2 must not become the listener's or a pipe's
+            self._launch()
+        self.install_standins()
+        return self
+
+    def _launch(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unlink_all(self.socket_path)
         old_umask = os.umask(0o177)  # socket 0600
@@ -127,8 +125,6 @@ class ZygoteProcess:
             if alive_r >= 0:
                 os.close(alive_r)
         self._alive_w, self._ready_r = alive_w, ready_r
-        self.install_standins()
-        return self
 
     def install_standins(self) -> None:
         """Written here, not by the zygote, so a step may run before the preload is done: its
@@ -248,6 +244,10 @@ class ZygoteProcess:
         return z
 
     @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process is not None else self.status.get("pid")
+
+    @property
     def import_env(self) -> dict[str, Optional[str]]:
         """Environment this zygote's imports depended on (fixed keys and keys read in preload)."""
         return dict(self.status.get("preload", {}).get("import_env", {}))
@@ -291,7 +291,8 @@ class ZygoteProcess:
     def connect(self) -> socket.socket:
         """A connection to this zygote; refused unless the listener runs as us (a socket put
         in our place by another user never sees a step)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with guarded_stdio():
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.socket_path)
             uid = protocol.peer_uid(sock)
@@ -312,11 +313,11 @@ class ZygoteProcess:
             raise ConnectionResetError(f"no answer from the zygote at {self.socket_path}")
         return events[0]
 
-    def submit(self, spec: StepSpec, out_w: int, stdin_fd: int) -> socket.socket:
+    def submit(self, spec: StepSpec, fds: list[int]) -> socket.socket:
+        """Send a step with the fds it gets (at ``spec.fd_targets``); returns the connection."""
         sock = self.connect()
         try:
-            protocol.send_request(sock, {"op": "step", "spec": spec.to_json_dict()},
-                                  [stdin_fd, out_w])
+            protocol.send_request(sock, {"op": "step", "spec": spec.to_json_dict()}, fds)
         except BaseException:
             sock.close()
             raise
@@ -359,100 +360,7 @@ def _tail(path: str, limit: int = 4000) -> str:
         return ""
 
 
-# ------------------------------------------------------------------ one step's wait loop
-
-class _StepWait:
-    """Collects a step's output and events until it exits, honouring a deadline."""
-
-    def __init__(self, sock: socket.socket, out_r: int, echo: bool) -> None:
-        self.sock = sock
-        self.out_r = out_r
-        self.echo = echo
-        self.output = bytearray()
-        self.events: dict[str, dict] = {}
-        self._reader = protocol.EventReader()
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(sock, selectors.EVENT_READ, "events")
-        self.selector.register(out_r, selectors.EVENT_READ, "output")
-
-    def pump(self, deadline: Optional[float]) -> bool:
-        """Run until exit + output EOF (True) or the deadline (False)."""
-        exit_seen_at: Optional[float] = None
-        while self.selector.get_map():
-            now = time.monotonic()
-            wait = None if deadline is None else max(0.0, deadline - now)
-            if exit_seen_at is not None:
-                grace = exit_seen_at + EXIT_DRAIN_S - now
-                if grace <= 0:
-                    self.events.setdefault("held_output", {})
-                    break
-                wait = grace if wait is None else min(wait, grace)
-            if deadline is not None and wait == 0 and now >= deadline:
-                return False
-            for key, _ in self.selector.select(wait):
-                if key.data == "output":
-                    self._read_output()
-                else:
-                    self._read_events()
-            if "exit" in self.events and exit_seen_at is None:
-                exit_seen_at = time.monotonic()
-            if "fallback" in self.events:
-                return True
-        return True
-
-    def _read_output(self) -> None:
-        data = os.read(self.out_r, 1 << 16)
-        if not data:
-            self.selector.unregister(self.out_r)
-            return
-        self.output += data
-        if self.echo:
-            sys.stdout.write(self._decoder.decode(data))
-            sys.stdout.flush()
-
-    def _read_events(self) -> None:
-        try:
-            data = self.sock.recv(1 << 16)
-        except OSError:
-            data = b""
-        if not data:
-            self.selector.unregister(self.sock)
-            return  # EOF: the zygote died if no "exit" came first
-        for event in self._reader.feed(data):
-            # The first report wins: a step reports its exit before its process is torn down,
-            # and the zygote reports it again when it reaps the process.
-            self.events.setdefault(event["event"], event)
-
-    def send_signal(self, signum: int) -> None:
-        protocol.send_op(self.sock, "signal", signum=int(signum))
-
-    def close(self) -> None:
-        self.selector.close()
-        os.close(self.out_r)
-        self.sock.close()
-
-
-def _decode(data: bytes) -> str:
-    """Like ``text=True``: locale encoding, universal newlines (never raises on bad bytes)."""
-    encoding = locale.getpreferredencoding(False)
-    return io.TextIOWrapper(io.BytesIO(bytes(data)), encoding=encoding, errors="replace").read()
-
-
 # ------------------------------------------------------------------ the launcher
-
-def _check_env(env: Mapping) -> dict[str, str]:
-    out = {}
-    for key, value in env.items():
-        out[os.fsdecode(key)] = os.fsdecode(value)  # TypeError like subprocess for non-str
-    return out
-
-
-def _check_args(args) -> Union[list[str], str]:
-    if isinstance(args, (str, bytes, os.PathLike)):
-        return os.fsdecode(args)
-    return [os.fsdecode(a) for a in args]
-
 
 class Launcher:
     """Zygotes by preload set and import-relevant environment, reused across steps."""
@@ -530,47 +438,50 @@ class Launcher:
     # -------------------------------------------------------------- run
 
     def run(self, args, *, cwd=None, env=None, timeout=None, check=False,
-            echo=False) -> StepResult:
+            echo=False, capture=True) -> StepResult:
         """Like ``subprocess.run(args, cwd=, env=, timeout=, check=, stdout=PIPE, stderr=STDOUT,
-        text=True)``, served by a forked child of a preloaded zygote when the command allows."""
-        args = _check_args(args)
-        step_env = _check_env(os.environ if env is None else env)
-        step_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
+        text=True)``, served by a forked child of a preloaded zygote when the command allows.
+        ``capture=False``: like ``subprocess.run`` without ``stdout=``, the step gets the
+        caller's own fds 0-2 (``result.stdout`` is None)."""
+        args = check_args(args)
+        step_env = check_env(os.environ if env is None else env)
+        step_cwd = check_cwd(cwd)
         wanted = Settings.from_env(step_env)  # a bad launcher variable in env= is the caller's error
+
+        def plain(reason: str, run_env: Mapping[str, str] = step_env) -> StepResult:
+            return run_subprocess(args, cwd, run_env, timeout, check, echo, reason, capture)
+
         if not Settings.from_env().enabled:
-            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
-                                               "PRELOAD_LAUNCHER=0"))
+            return self._count(plain("PRELOAD_LAUNCHER=0"))
         parsed = parse_command(args, step_env, step_cwd) if isinstance(args, list) \
             else Unsupported("command given as a string")
         if isinstance(parsed, Unsupported):
-            return self._run_with_standins(args, cwd, step_env, step_cwd, timeout, check, echo,
-                                           parsed.reason, wanted.nested)
+            return self._run_with_standins(plain, step_env, step_cwd, parsed.reason,
+                                           wanted.nested)
         parsed.process = process_attrs.capture()  # what a subprocess would inherit, as of now
         waiting = time.monotonic()
         try:
             zygote = self.zygote_for(step_env)
         except LauncherError as err:
-            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
-                                               f"zygote failed to start: {err}"))
+            return self._count(plain(f"zygote failed to start: {err}"))
         with self._lock:
             self.stats["waited_s"] += time.monotonic() - waiting
-        result = self._run_in_zygote(zygote, parsed, timeout, echo)
+        result = self._run_in_zygote(zygote, parsed, timeout, echo, capture)
         if isinstance(result, dict) and result.get("retry"):
             # A stale daemon restarts itself; its listener queues us until it serves again.
             print(f"preload_launcher: zygote restarting ({result['reason']})", file=sys.stderr)
-            result = self._run_in_zygote(zygote, parsed, timeout, echo)
+            result = self._run_in_zygote(zygote, parsed, timeout, echo, capture)
         if isinstance(result, dict):  # a "fallback" event: the zygote cannot serve this step
             if result.get("retire", True):
                 self._retire(zygote)  # it refused to fork: it is not clean
-            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo,
-                                               result["reason"]))
+            return self._count(plain(result["reason"]))
         self._count(result)
         if check and result.returncode:
             raise subprocess.CalledProcessError(result.returncode, args, result.stdout)
         return result
 
-    def _run_with_standins(self, args, cwd, step_env: dict[str, str], step_cwd: str,
-                           timeout, check, echo, reason: str, nested: bool) -> StepResult:
+    def _run_with_standins(self, plain, step_env: dict[str, str], step_cwd: str,
+                           reason: str, nested: bool) -> StepResult:
         """A step the zygote cannot serve runs as a subprocess; the interpreters it starts
         (python, torchrun, accelerate on its PATH) are forked by the zygote (``standin``)."""
         path = None
@@ -580,9 +491,9 @@ class Launcher:
             except (LauncherError, OSError):
                 path = None
         if path is None:
-            return self._count(_run_subprocess(args, cwd, step_env, timeout, check, echo, reason))
-        result = _run_subprocess(args, cwd, dict(step_env, PATH=path), timeout, check, echo,
-                                 f"{reason}; the interpreters it starts are forked by the zygote")
+            return self._count(plain(reason))
+        result = plain(f"{reason}; the interpreters it starts are forked by the zygote",
+                       dict(step_env, PATH=path))
         with self._lock:
             self.stats["with_standins"] += 1
         return self._count(result)
@@ -634,49 +545,44 @@ class Launcher:
         return result
 
     def _run_in_zygote(self, zygote: ZygoteProcess, spec: StepSpec, timeout: Optional[float],
-                       echo: bool) -> Union[StepResult, dict]:
+                       echo: bool, capture: bool) -> Union[StepResult, dict]:
         """The step's result, or the ``fallback`` event saying why it cannot be served."""
-        out_r, out_w = os.pipe()
         requested_at = time.time()
-        stdin_fd = 0 if _fd_is_open(0) else os.open(os.devnull, os.O_RDONLY)
         start = time.monotonic()
-        try:
+        # Our pipe and socket must not take a closed fd's number; the step gets the caller's
+        # open ones (``stdio``), as with subprocess.
+        with guarded_stdio() as stdio:
+            out_r, out_w = os.pipe() if capture else (None, None)
+            fds, spec.fd_targets = _step_fds(stdio, out_w)
             try:
-                sock = zygote.submit(spec, out_w, stdin_fd)
-            except (ConnectionRefusedError, FileNotFoundError):
-                self._retire(zygote)  # it died between steps: replace it once
-                zygote = self.zygote_for(spec.env)
-                sock = zygote.submit(spec, out_w, stdin_fd)
-        except BaseException:
-            os.close(out_r)
-            raise
-        finally:
-            os.close(out_w)
-            if stdin_fd != 0:
-                os.close(stdin_fd)
-        waiter = _StepWait(sock, out_r, echo)
-        deadline = None if timeout is None else start + timeout
-        try:
-            finished = waiter.pump(deadline)
-            if not finished:
-                waiter.send_signal(signal.SIGKILL)
-                waiter.pump(time.monotonic() + KILL_WAIT_S)
-                raise subprocess.TimeoutExpired(spec.args, timeout, output=_decode(waiter.output))
-        except KeyboardInterrupt:
-            waiter.send_signal(signal.SIGINT)
-            if not waiter.pump(time.monotonic() + INTERRUPT_GRACE_S):
-                waiter.send_signal(signal.SIGKILL)
-                waiter.pump(time.monotonic() + KILL_WAIT_S)
-            raise
-        except BaseException:
-            waiter.send_signal(signal.SIGKILL)
-            raise
-        finally:
-            waiter.close()
+                try:
+                    sock = zygote.submit(spec, fds)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    self._retire(zygote)  # it died between steps: replace it once
+                    zygote = self.zygote_for(spec.env)
+                    sock = zygote.submit(spec, fds)
+            except BaseException:
+                if out_r is not None:
+                    os.close(out_r)
+                raise
+            finally:
+                if out_w is not None:
+                    os.close(out_w)
+            waiter = StepWait(sock, out_r, echo, zygote.pid)
+        wait_for_step(waiter, spec.args, timeout, start)
         return _result_of(zygote, spec, waiter, time.monotonic() - start, requested_at)
 
 
-def _result_of(zygote: ZygoteProcess, spec: StepSpec, waiter: "_StepWait", seconds: float,
+def _step_fds(stdio: list[int], out_w: Optional[int]) -> tuple[list[int], list[int]]:
+    """(fds to pass, where the step gets them): the caller's open stdin, and its stdout and
+    stderr or one output pipe for both (interleaved, as with ``stderr=STDOUT``)."""
+    if out_w is None:
+        return list(stdio), list(stdio)
+    stdin = [0] if 0 in stdio else []
+    return stdin + [out_w, out_w], stdin + [1, 2]
+
+
+def _result_of(zygote: ZygoteProcess, spec: StepSpec, waiter: StepWait, seconds: float,
                requested_at: float) -> Union[StepResult, dict]:
     """A finished step's result from its events (or the ``fallback`` event, or the error)."""
     events = waiter.events
@@ -688,11 +594,12 @@ def _result_of(zygote: ZygoteProcess, spec: StepSpec, waiter: "_StepWait", secon
         if not (isinstance(exc_type, type) and issubclass(exc_type, OSError)):
             raise LauncherError(err.get("strerror") or "step setup failed")
         raise exc_type(err["errno"], err["strerror"], err["filename"])
+    output = decode(waiter.output) if waiter.out_r is not None else None
     if "exit" not in events:
-        raise ZygoteDied(zygote.status.get("pid"), spec.args, _decode(waiter.output))
+        raise ZygoteDied(zygote.status.get("pid"), spec.args, output)
     reason = "output held open by a daemonised grandchild" if "held_output" in events else ""
-    result = StepResult(spec.args, events["exit"]["returncode"], _decode(waiter.output),
-                        None, via="zygote", reason=reason)
+    result = StepResult(spec.args, events["exit"]["returncode"], output, None, via="zygote",
+                        reason=reason)
     result.seconds = seconds
     if "granted" in events:  # GPU packing: the GPUs it ran on, and how long it waited
         result.gpus = list(events["granted"]["gpus"])
@@ -700,57 +607,6 @@ def _result_of(zygote: ZygoteProcess, spec: StepSpec, waiter: "_StepWait", secon
     # Request -> first line of user code: the launcher's own overhead.
     result.exec_delay_s = events["exec"]["t"] - requested_at if "exec" in events else None
     return result
-
-
-def _fd_is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
-
-
-def _run_subprocess(args, cwd, env, timeout, check, echo, reason) -> StepResult:
-    """The plain path: ``subprocess.run`` semantics, the step in its own process group."""
-    start = time.monotonic()
-    with subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP) as proc:
-        chunks: list[bytes] = []
-
-        def pump() -> None:
-            for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):
-                chunks.append(chunk)
-                if echo:
-                    sys.stdout.write(chunk.decode(errors="replace"))
-                    sys.stdout.flush()
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            proc.wait()
-            reader.join(EXIT_DRAIN_S)
-            raise subprocess.TimeoutExpired(args, timeout, output=_decode(b"".join(chunks)))
-        except BaseException:
-            _kill_group(proc.pid)
-            raise
-        _kill_group(proc.pid)  # grandchildren go with the step, as in the zygote path
-        reader.join(EXIT_DRAIN_S)
-        output = _decode(b"".join(chunks))
-    result = StepResult(args, proc.returncode, output, None, via="subprocess", reason=reason)
-    result.seconds = time.monotonic() - start
-    if check and result.returncode:
-        raise subprocess.CalledProcessError(result.returncode, args, output)
-    return result
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 _launchers: dict[tuple, Launcher] = {}
@@ -777,13 +633,15 @@ def default_launcher() -> Launcher:
         return _launchers[modules]
 
 
-def run(args, *, cwd=None, env=None, timeout=None, check=False, echo=False) -> StepResult:
+def run(args, *, cwd=None, env=None, timeout=None, check=False, echo=False,
+        capture=True) -> StepResult:
     """Drop-in for ``subprocess.run(args, cwd=, env=, stdout=PIPE, stderr=STDOUT, text=True)``.
 
     ``result.stdout`` holds stdout and stderr interleaved; ``result.via`` says whether a
     zygote's forked child ran it. ``PRELOAD_LAUNCHER=0`` makes this a plain subprocess call.
     """
-    return default_launcher().run(args, cwd=cwd, env=env, timeout=timeout, check=check, echo=echo)
+    return default_launcher().run(args, cwd=cwd, env=env, timeout=timeout, check=check, echo=echo,
+                                  capture=capture)
 
 
 def run_capturing(cmd_parts, cwd=None, env=None, timeout=None) -> tuple[int, str]:

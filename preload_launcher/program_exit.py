@@ -29,7 +29,8 @@ def exit_status_of(exc: SystemExit) -> int:
             return 255  # PyLong_AsLong overflows: python exits with -1
         return int(code) & 0xFF
     try:
-        print(code, file=sys.stderr)
+        if sys.stderr is not None:  # python prints nowhere without one (print would use stdout)
+            print(code, file=sys.stderr)
     except Exception:
         pass
     return 1

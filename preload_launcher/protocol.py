@@ -34,7 +34,8 @@ import socket
 import struct
 
 __all__ = ["MAX_FRAME", "OPS", "EVENTS", "ProtocolError", "send_request", "recv_request",
-           "recv_request_blocking", "send_event", "send_op", "EventReader", "drain", "peer_uid"]
+           "recv_request_blocking", "RequestReader", "send_event", "send_op", "EventReader", "drain",
+           "peer_uid"]
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 256 * 1024 * 1024  # argv + env; far above what exec() itself accepts
@@ -126,6 +127,55 @@ def recv_request_blocking(sock: socket.socket) -> tuple[dict, list[int]]:
     if not fds and not request:
         raise ProtocolError("empty hand-off")
     return request, fds
+
+
+class RequestReader:
+    """One request frame read piecewise from a non-blocking socket, as a selector loop reads it:
+    a client that sends slowly (or nothing) delays nobody. Reads never go past the frame, so
+    op lines sent right after it stay for the connection's ``EventReader``."""
+
+    MAX_READ = 1 << 20
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.fds: list[int] = []
+
+    def _wanted(self) -> int:
+        if len(self.buf) < HEADER.size:
+            return HEADER.size - len(self.buf)
+        (size,) = HEADER.unpack_from(self.buf)
+        if size > MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
+        return HEADER.size + size - len(self.buf)
+
+    def feed(self) -> "tuple[dict, list[int]] | None":
+        """Read what has arrived: the request and its fds once the frame is complete, else
+        None. A bad or truncated frame raises ProtocolError or OSError (its fds closed)."""
+        try:
+            while True:
+                wanted = self._wanted()
+                if wanted == 0:
+                    request = _json_object(bytes(self.buf[HEADER.size:]))
+                    fds, self.fds = self.fds, []
+                    return request, fds
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, min(wanted, self.MAX_READ),
+                                                           MAX_FDS)
+                self.fds += fds
+                if not data:
+                    raise ProtocolError("connection closed mid-frame" if self.buf
+                                        else "short frame")
+                self.buf += data
+        except BlockingIOError:
+            return None
+        except BaseException:
+            self.close_fds()
+            raise
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def _line(message: dict) -> bytes:

@@ -42,6 +42,7 @@ class LauncherError(RuntimeError):
 class ZygoteDied(LauncherError):
     """The zygote ended (stopped, killed) while it ran a step; the step was killed with it."""
 
-    def __init__(self, pid, args, output: str) -> None:
-        super().__init__(f"zygote {pid} died while running {args!r}; output so far:\n{output}")
+    def __init__(self, pid, args, output: Optional[str]) -> None:
+        super().__init__(f"zygote {pid} died while running {args!r}"
+                         + (f"; output so far:\n{output}" if output is not None else ""))
         self.pid = pid

@@ -229,6 +229,8 @@ def attach_fds(fds: list[int], targets: list[int]) -> None:
     """Install received fds at the numbers the program expects (``targets``; 0-2 are stdio),
     keeping the Python stream objects: loggers created during preload hold ``sys.stderr``."""
     flush_std_streams()
+    if not fds:
+        return
     # Out of the way first: a received fd may sit on another one's target number.
     floor = max([*fds, *targets]) + 1
     parked = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in fds]
@@ -236,6 +238,16 @@ def attach_fds(fds: list[int], targets: list[int]) -> None:
     for fd, target in zip(parked, targets):
         os.dup2(fd, target)
     close_fds(parked)
+
+
+def close_unpassed_stdio(targets: list[int]) -> None:
+    """Fds 0-2 the caller had closed are closed in the step too, and their streams are None,
+    as in a fresh interpreter started without them."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        if fd not in targets:
+            close_fds([fd])
+            setattr(sys, name, None)
+            setattr(sys, f"__{name}__", None)
 
 
 def redirect_to_files(stdout_file: str, stderr_file: str) -> None:
@@ -291,8 +303,9 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     process_attrs.apply(spec.process)
     close_fds(state.zygote_fds)
     state.zygote_fds = []  # closed: their numbers may be reused from here on
-    if spec.fd_targets:
+    if spec.fd_targets is not None:
         attach_fds(fds, spec.fd_targets)
+        close_unpassed_stdio(spec.fd_targets)
     else:  # stdin, then one output for stdout and stderr (interleaved, as with stderr=STDOUT)
         attach_fds([fds[0], fds[1], fds[1]], [0, 1, 2])
     os.environ.clear()

@@ -106,6 +106,18 @@ def path_entry(directory: str, names: list) -> str:
 
 # ---------------------------------------------------------------- the stand-in's side
 
+def open_stdio() -> list:
+    """Which of fds 0-2 are open."""
+    found = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        found.append(fd)
+    return found
+
+
 def inherited_fds() -> list:
     """The fds the starting process passed, besides stdio (nothing else is open yet)."""
     fds = []
@@ -140,7 +152,7 @@ class Invocation:
 
     def request(self, fds: list) -> dict:
         return {"args": self.args, "env": self.env, "cwd": os.getcwd(), "spawned": self.spawned,
-                "nested": not self.spawned, "fd_targets": [0, 1, 2, *fds],
+                "nested": not self.spawned, "fd_targets": fds,
                 "process": process_attrs.capture()}
 
     def become_real(self) -> None:
@@ -185,13 +197,14 @@ def embedded_module(name: str, source: str) -> types.ModuleType:
 
 def main(socket_path: str) -> None:
     invocation = Invocation(sys.argv, dict(os.environ))
-    fds = inherited_fds()
+    stdio = open_stdio()  # a closed stdin stays closed in the program
+    fds = stdio + inherited_fds()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(socket_path)
         if protocol.peer_uid(sock) != os.getuid():  # not our zygote: never tell it anything
             raise ConnectionRefusedError(socket_path)
-        protocol.send_request(sock, {"op": "step", "spec": invocation.request(fds)}, [0, 1, 2, *fds])
+        protocol.send_request(sock, {"op": "step", "spec": invocation.request(fds)}, fds)
     except OSError:
         sock.close()
         invocation.become_real()  # the zygote is gone: the plain way
@@ -210,7 +223,7 @@ def main(socket_path: str) -> None:
             kind = event.get("event")
             if kind == "exec" and not running:
                 running = True
-                for fd in fds:  # the child holds them now
+                for fd in fds[len(stdio):]:  # the child holds them now
                     os.close(fd)
                 forward_signals(sock)
             elif kind in ("fallback", "error", "refused") and not running:

@@ -30,8 +30,6 @@ from .settings import QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
 
 __all__ = ["main"]
 
-REQUEST_READ_TIMEOUT_S = 10.0
-
 
 def say(fmt: str, *args) -> None:
     """Log to the zygote's stderr (its log file). The root logger stays unconfigured: children
@@ -48,6 +46,7 @@ class Zygote:
         self.listener = socket.socket(fileno=config.listen_fd)
         self.selector = selectors.DefaultSelector()
         self.steps: dict[int, Step] = {}  # pid -> step
+        self.pending: dict[int, protocol.RequestReader] = {}  # fd -> a request being read
         self.served = 0
         self.started_at = time.time()
         self.report: Optional[PreloadReport] = None
@@ -195,6 +194,8 @@ class Zygote:
                     self.request_stop("its starter went away")
                 elif isinstance(key.data, str):
                     self.settle_hint(key.data, key.fileobj)
+                elif isinstance(key.data, protocol.RequestReader):
+                    self.on_request(key.data)
                 elif isinstance(key.data, gpus.Waiting):
                     self.on_waiting_conn(key.data)
                 else:
@@ -269,26 +270,51 @@ class Zygote:
         self.stopping = True
 
     def accept(self) -> None:
+        """A new connection; its request is read as it arrives (``on_request``)."""
         self.last_request = time.monotonic()
         try:
             conn, _ = self.listener.accept()
         except OSError:
             return
         try:
-            if protocol.peer_uid(conn) != os.getuid():
-                say("refused a connection from another uid")
+            same_user = protocol.peer_uid(conn) == os.getuid()
+        except OSError:
+            same_user = False
+        if not same_user:
+            say("refused a connection from another uid")
+            try:
                 protocol.send_event(conn, "refused", reason="peer uid differs")
-                conn.close()
-                return
-            conn.settimeout(REQUEST_READ_TIMEOUT_S)
-            request, fds = protocol.recv_request(conn)
-        except (OSError, ValueError) as err:
-            say("bad request: %s", err)
-            _send_error(conn, f"bad request: {err}")
+            except OSError:
+                pass
             conn.close()
             return
-        if request.get("op") == "step" and len(fds) >= 2 and isinstance(request.get("spec"), dict):
-            self.fork_step(conn, request["spec"], fds)
+        conn.setblocking(False)
+        pending = protocol.RequestReader(conn)
+        self.pending[conn.fileno()] = pending
+        self.selector.register(conn, selectors.EVENT_READ, pending)
+        self.on_request(pending)  # usually all of it is there already
+
+    def on_request(self, pending: protocol.RequestReader) -> None:
+        conn = pending.sock
+        try:
+            got = pending.feed()
+        except (OSError, ValueError) as err:
+            got = err
+        if got is None:
+            return  # more to come; other clients are served meanwhile
+        self.selector.unregister(conn)
+        del self.pending[conn.fileno()]
+        conn.setblocking(True)
+        if isinstance(got, Exception):
+            say("bad request: %s", got)
+            _send_error(conn, f"bad request: {got}")
+            conn.close()
+            return
+        request, fds = got
+        spec = request.get("spec")
+        if request.get("op") == "step" and isinstance(spec, dict) and len(fds) == (
+                2 if spec.get("fd_targets") is None else len(spec["fd_targets"])):
+            self.fork_step(conn, spec, fds)
             return
         runtime.close_fds(fds)
         self.answer(conn, request.get("op"))
@@ -419,7 +445,8 @@ class Zygote:
 
     def child_state(self, keep=()) -> runtime.ZygoteState:
         """What a child needs; ``keep``: the fds it is handed (all others the zygote opened
-        after preload are closed in it: other steps' connections, waiting steps' fds, pipes)."""
+        after preload are closed in it: other steps' connections, half-read requests and
+        their fds, waiting steps' fds, pipes)."""
         others = {s.conn.fileno() for s in self.steps.values()}
         opened = (procfs.open_fds() - self.preload_fds) | set(self.own_fds) | others
         return runtime.ZygoteState(self.base_path, self.signal_handlers, sorted(opened - set(keep)),
@@ -491,8 +518,9 @@ class Zygote:
         running.conn.close()
 
     def restart_if_idle(self) -> None:
-        """A stale daemon re-executes itself once no step of the old image is running."""
-        if self.restart_reason and not self.steps:
+        """A stale daemon re-executes itself once no step of the old image is running and no
+        request is half read (exec would drop its connection)."""
+        if self.restart_reason and not self.steps and not self.pending:
             say("restarting: %s", self.restart_reason)
             signal.set_wakeup_fd(-1)
             self.reexec()

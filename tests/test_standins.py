@@ -269,7 +269,7 @@ def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, t
     out_r, out_w = os.pipe()
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # the same for ours
     try:
-        sock = zygote.submit(parse_command(args, env, str(tmp_path)), out_w, 0)
+        sock = zygote.submit(parse_command(args, env, str(tmp_path)), [0, out_w])
     finally:
         signal.signal(signal.SIGINT, previous)
     os.close(out_w)
