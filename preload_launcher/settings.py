@@ -123,7 +123,7 @@ class _Reader:
 
 @dataclass(frozen=True)
 class Settings:
-    """What one environment asks of the launcher (see the README for each variable)."""
+    """What one environment asks of the launcher (docs/user-guide.md lists each variable)."""
 
     toggle: Optional[bool] = None  # PRELOAD_LAUNCHER: the per-lane toggle (None: not set)
     modules: Optional[tuple[str, ...]] = None  # PRELOAD_LAUNCHER_MODULES (None: not set)

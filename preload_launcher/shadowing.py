@@ -11,7 +11,7 @@ every preloaded top-level module they provide a different file for is dropped fr
 Modules a fresh interpreter has already imported before the script runs (start-up modules),
 built-in and frozen ones (found before ``sys.path``), and the launcher itself are never dropped.
 What preloaded modules bound at import (torch's reference to site-packages' tqdm) stays bound:
-re-importing them would cost the preload (README, known differences).
+re-importing them would cost the preload (docs/user-guide.md, known differences).
 """
 
 from __future__ import annotations
