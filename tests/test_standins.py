@@ -237,51 +237,63 @@ def test_a_failing_program_is_reported_as_the_real_accelerate_reports_it(torch_l
 
 
 # Starts `accelerate launch` as a terminal's job (`set -m`: its own process group, SIGINT at its
-# default), signals it ($TARGET "-": its group, as Ctrl-C does) once the program is ready, then
-# says how it ended (bash names a death by signal) and whether the program outlived it.
+# default), signals it ($TARGET "-": its group, as Ctrl-C does) once its $N programs are ready,
+# then says how it ended (bash names a death by signal) and whether each program outlived it.
 SIGNALLED_LAUNCH = textwrap.dedent("""\
     set -m
-    accelerate launch --num_processes 1 waiter.py > out.txt 2>&1 &
+    accelerate launch $PROCESSES waiter.py > out.txt 2>&1 &
     pid=$!
-    for i in $(seq 1200); do grep -q ready out.txt 2>/dev/null && break; sleep 0.1; done
+    for i in $(seq 1200); do [ "$(grep -c ready out.txt)" = "$N" ] && break; sleep 0.1; done
     kill -$SIG $TARGET$pid
     wait $pid
     echo "exit $?"
-    program=$(cat program.pid)
     alive() { [ -e /proc/$1 ] && ! grep -q 'State:.*Z' /proc/$1/status 2>/dev/null; }
-    for i in $(seq 300); do alive $program || break; sleep 0.1; done
-    if alive $program; then echo "program lives on"; kill -9 $program; else echo "program gone"; fi
+    for f in program*.pid; do
+        program=$(cat $f)
+        for i in $(seq 300); do alive $program || break; sleep 0.1; done
+        if alive $program; then echo "program lives on"; kill -9 $program; else echo "program gone"; fi
+    done
     cat out.txt
     """)
 WAITER = textwrap.dedent("""\
     import os, signal, time
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # ends silently, whichever signal comes first
-    with open("program.pid", "w") as f:
+    rank = os.environ.get("RANK", "0")
+    with open(f"program{rank}.pid", "w") as f:
         f.write(str(os.getpid()))
-    print("ready", flush=True)
+    print("ready", rank, flush=True)
     time.sleep(60)
     """)
 
 
+def signal_outcome(output):
+    """Each line but the programs' fates (a real 1.15 leaves its program running on SIGTERM),
+    sorted (ranks print in any order); torch elastic's log lines without time, pid and source
+    line, bash's job report without its padding."""
+    lines = [line for line in without_frames(output) if not line.startswith("program ")]
+    lines = [re.sub(r"^([WEI])\d{4} [\d:.]+ \d+ [^]]*\] ", r"\1 ", line) for line in lines]
+    return sorted(re.sub(r"process \d+|\s+", lambda m: "process PID" if m[0][0] == "p" else " ",
+                         line) for line in lines)
+
+
+@pytest.mark.parametrize("processes", [["--num_processes", "1"],
+                                       ["--multi_gpu", "--num_processes", "2"]],
+                         ids=["one", "multi_gpu"])
 @pytest.mark.parametrize("sig, target", [("TERM", ""), ("INT", "-")], ids=["sigterm", "ctrl-c"])
-def test_a_signalled_accelerate_launch_ends_as_the_real_one(torch_launcher, tmp_path, sig, target):
+def test_a_signalled_accelerate_launch_ends_as_the_real_one(torch_launcher, tmp_path, sig, target,
+                                                            processes):
     (tmp_path / "sig.sh").write_text(SIGNALLED_LAUNCH)
     (tmp_path / "waiter.py").write_text(WAITER)
     env = dict(accelerate_env(tmp_path), PATH=BIN + os.pathsep + os.environ["PATH"], SIG=sig,
-               TARGET=target)
+               TARGET=target, PROCESSES=" ".join(processes), N=processes[-1],
+               TMPDIR=str(tmp_path))  # where the real torchrun leaves its log folder
     ref = plain(["bash", "sig.sh"], cwd=tmp_path, env=env, timeout=180)
     got = torch_launcher.run(["bash", "sig.sh"], cwd=tmp_path, env=env, timeout=180)
     assert "forked by the zygote" in got.reason
-
-    def outcome(output):  # the program's fate apart: a real 1.15 leaves it running on SIGTERM
-        lines = [line for line in without_frames(output) if not line.startswith("program ")]
-        return [re.sub(r"\[1\]\+\s+", "[1]+ ", line) for line in lines]
-
-    assert outcome(got.stdout) == outcome(ref.stdout), (got.stdout, ref.stdout)
-    assert "program gone" in got.stdout.splitlines(), got.stdout  # ours never outlives it
-    # What accelerate 1.16 does: its handler's exit status, its own Ctrl-C exit status.
-    if "[1]+" not in ref.stdout:
-        assert outcome(ref.stdout)[:2] == [f"exit {128 + signal.Signals['SIG' + sig]}", "ready"]
+    assert signal_outcome(got.stdout) == signal_outcome(ref.stdout), (got.stdout, ref.stdout)
+    assert "program lives on" not in got.stdout, got.stdout  # ours never outlives its launch
+    if "[1]+" not in ref.stdout:  # accelerate 1.16: its own exit status for each signal
+        assert f"exit {128 + signal.Signals['SIG' + sig]}" in ref.stdout.splitlines()
 
 
 def test_accelerate_usage_errors_are_accelerates(torch_launcher, tmp_path):
