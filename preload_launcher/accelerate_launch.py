@@ -23,10 +23,10 @@ import signal
 import sys
 import time
 import traceback
-from typing import Optional
 
 from . import agent, child, cuda, forked_popen, learn, protocol, runtime, threads
-from .command import PythonTarget, StepSpec, parse_python_argv
+from .command import (PythonTarget, StepSpec, Unsupported, launcher_interpreter,
+                      parse_python_argv)
 from .settings import Settings
 
 __all__ = ["run_accelerate", "unsupported_reason"]
@@ -73,10 +73,12 @@ def run_accelerate(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int) -> 
     accelerate imported here is reported for learning, as a python step's imports are (after
     the exit report: off the caller's path)."""
     before = set(sys.modules)
+    # accelerate starts its programs with its own interpreter's sys.executable.
+    sys.executable = launcher_interpreter(spec.args, spec.env, spec.cwd)
     try:
         return _serve(spec, state, conn_fd)
     finally:
-        learn.report_step_imports(before, state.learn_reports_dir, state.project)
+        learn.report_step_imports(before, state.learn_reports_dir, state.project, state.base_path)
 
 
 def _serve(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int) -> int:
@@ -111,9 +113,11 @@ def _one_process(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args)
     except Exception:
         cmd = []  # simple_launcher raises it again, and reports it as accelerate does
     target = parse_python_argv(cmd) if cmd else None
-    if target is not None and not isinstance(target, PythonTarget):
+    if isinstance(target, Unsupported):
         protocol.send_event(conn_fd, "fallback", reason=target.reason, retire=False)
         return 0
+    if target is not None:
+        target.executable = cmd[0]
     protocol.send_event(conn_fd, "exec", t=time.time())
     runtime.keep_for_exit_report(conn_fd)
     with forked_popen.forking(cmd, lambda env: _program(target, env, spec.thread_counts, state)):
@@ -151,29 +155,26 @@ def _as_main(launcher, args) -> int:
 
 def _several_processes(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args) -> int:
     """accelerate's ``multi_gpu_launcher`` runs as is; its call to torchrun's ``run()`` is
-    served by the agent, in the environment accelerate set for it."""
+    served by the agent, in the environment accelerate set for it, and what that call raises
+    (a failed rank, a signal) is accelerate's to handle, as it handles torchrun's."""
     from accelerate.commands.launch import multi_gpu_launcher
     from torch.distributed import run as torchrun
-    explicit_port = args.main_process_port is not None
-    served: dict[str, Optional[int]] = {"code": None}
+    served: dict[str, bool] = {"launched": False}
 
     def serve(torchrun_args) -> None:
-        # torchrun's failure is an exception in accelerate: its process exits 1.
-        served["code"] = agent.serve_launch(spec, state, conn_fd, torchrun_args, explicit_port,
-                                            failure_code=1)
+        served["launched"] = True
+        agent.serve_launch(spec, state, conn_fd, torchrun_args, recorded=False)
 
     real_run, torchrun.run = torchrun.run, serve
     try:
-        multi_gpu_launcher(args)
-    except Exception:
-        if served["code"] is None:  # accelerate failed before the launch, as it would
-            protocol.send_event(conn_fd, "exec", t=time.time())
-        traceback.print_exc()
-        return 1
+        code = _as_main(multi_gpu_launcher, args)  # its exit for a signal (128 + N), --quiet, ...
     finally:
         torchrun.run = real_run
-    code = served["code"]
-    if code is None:
-        protocol.send_event(conn_fd, "fallback", reason="accelerate did not launch", retire=False)
-        return 0
-    return code
+    if not served["launched"]:
+        if code == 0:
+            protocol.send_event(conn_fd, "fallback", reason="accelerate did not launch",
+                                retire=False)
+        else:  # accelerate failed before the launch, as it would
+            protocol.send_event(conn_fd, "exec", t=time.time())
+        return code
+    return runtime.finish(code)

@@ -1,6 +1,8 @@
 """Stage 4b: a multi-rank step. A forked child that parses torchrun's arguments with torchrun's
 own parser, forks N sibling ranks with torchrun's environment contract, hosts the rendezvous
-store as torchrun's agent does, and supervises the ranks all-or-nothing.
+store as torchrun's agent does, and supervises the ranks all-or-nothing. What torch elastic
+decides at the edges (signals, failure reports, error files) is its own code (``elastic``);
+where ranks meet and what they are given, ``rendezvous``.
 
 The agent never touches CUDA. Ranks are forked *before* the store starts its thread, so every
 rank is forked from a single-threaded process.
@@ -8,47 +10,23 @@ rank is forked from a single-threaded process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
+import shutil
 import signal
 import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Optional
 
-from . import child, cuda, protocol, runtime
-from .command import PythonTarget, StepSpec, parse_python_argv
+from . import cuda, elastic, protocol, rendezvous, runtime
+from .command import PythonTarget, StepSpec, Unsupported, launcher_interpreter, parse_python_argv
+from .ranks import RankHandle, fork_waiting_ranks, release_ranks
 from .settings import Settings
 
-__all__ = ["run_agent", "serve_launch", "rank_envs", "unsupported_reason", "fork_waiting_ranks",
-           "release_ranks", "RankHandle"]
-
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "", socket.gethostname()}
-
-
-@dataclass
-class RankFailure:
-    """One failed rank, for torchrun's failure summary (torch elastic's ``ProcessFailure``)."""
-
-    local_rank: int
-    pid: int
-    exitcode: int
-    timestamp: float
-    error_file: str = ""
-
-
-class _Shutdown(Exception):
-    """The agent was asked to stop (SIGTERM/SIGINT/SIGHUP/SIGQUIT), like torchrun's SignalException."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_shutdown(signum, _frame):
-    raise _Shutdown(signum)
+__all__ = ["run_agent", "serve_launch", "unsupported_reason"]
 
 
 def resolve_nproc(value: str) -> Optional[str]:
@@ -59,11 +37,6 @@ def resolve_nproc(value: str) -> Optional[str]:
     if count > 0:
         return str(count)
     return str(os.cpu_count() or 1) if value == "auto" else None
-
-
-def _explicit_master_port(argv: list[str]) -> bool:
-    return any(a.split("=", 1)[0] in ("--master_port", "--master-port") for a in argv) \
-        or "PET_MASTER_PORT" in os.environ
 
 
 def unsupported_reason(args, config) -> str:
@@ -77,7 +50,7 @@ def unsupported_reason(args, config) -> str:
     if config.rdzv_backend not in ("static", "c10d"):
         return f"rendezvous backend {config.rdzv_backend}"
     host = (config.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
-    if config.rdzv_backend == "c10d" and host not in LOCAL_HOSTS:
+    if config.rdzv_backend == "c10d" and host not in rendezvous.LOCAL_HOSTS:
         return f"remote rendezvous endpoint {config.rdzv_endpoint}"
     if args.no_python:
         return "--no-python"
@@ -86,38 +59,6 @@ def unsupported_reason(args, config) -> str:
     if config.nproc_per_node < 1:
         return f"nproc_per_node={config.nproc_per_node}"
     return ""
-
-
-def rank_envs(config, master_addr: str, master_port: int, error_files: dict[int, str],
-              base_env: dict[str, str]) -> list[dict[str, str]]:
-    """torchrun's per-worker environment (local_elastic_agent ``_start_workers``), one node."""
-    n = config.nproc_per_node
-    envs = []
-    for rank in range(n):
-        env = dict(base_env)
-        env.update({
-            "LOCAL_RANK": str(rank),
-            "RANK": str(rank),
-            "GROUP_RANK": "0",
-            "ROLE_RANK": str(rank),
-            "ROLE_NAME": config.role,
-            "LOCAL_WORLD_SIZE": str(n),
-            "WORLD_SIZE": str(n),
-            "GROUP_WORLD_SIZE": "1",
-            "ROLE_WORLD_SIZE": str(n),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
-            "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
-            "TORCHELASTIC_RUN_ID": config.run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "TORCHELASTIC_ERROR_FILE": error_files.get(rank, ""),
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": getattr(config, "signals_to_handle",
-                                                      "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
-        })
-        envs.append(env)
-    return envs
 
 
 def _parse(spec: StepSpec):
@@ -160,24 +101,39 @@ def run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int,
         except SystemExit as exc:  # argparse already printed torchrun's usage error
             protocol.send_event(conn_fd, "exec", t=time.time())
             return exc.code if isinstance(exc.code, int) else 1
-        return serve_launch(spec, state, conn_fd, args, _explicit_master_port(spec.torchrun_args),
-                            warm_ranks or {})
+        # torchrun runs its ranks with its own interpreter's sys.executable.
+        sys.executable = launcher_interpreter(spec.args, spec.env, spec.cwd)
+        return serve_launch(spec, state, conn_fd, args, warm_ranks or {})
     finally:
         release_ranks(warm_ranks or {})
 
 
 def serve_launch(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args,
-                 explicit_port: bool, warm_ranks: Optional[dict] = None,
-                 failure_code: Optional[int] = None) -> int:
+                 warm_ranks: Optional[dict] = None, recorded: bool = True) -> int:
     """Serve a launch described by torchrun's arguments (``args``, a namespace from torchrun's
-    parser, or from another launcher that hands its launch to torchrun's ``run()``, which
-    then exits ``failure_code`` when a rank failed)."""
+    parser, or from another launcher that hands its launch to torchrun's ``run()``).
+    ``recorded``: the launch runs under torchrun's ``@record`` ``main`` (its error file, its
+    traceback and exit status 1); else what ``run()`` raises is the caller's to handle."""
     warm_ranks = warm_ranks or {}
     try:
         args, config, cmd, cmd_args = _configure(args)
     except ValueError as exc:
         protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
         return 0
+    # torchrun's temporary log directory (error files, redirected output) goes with the
+    # launch, served or not; torchrun itself leaves it in the temporary directory.
+    temp_log_dir = config.logs_specs.root_log_dir if config is not None and not args.log_dir else ""
+    try:
+        return _serve_configured(spec, state, conn_fd, args, config, (cmd, cmd_args), warm_ranks,
+                                 recorded, temp_log_dir)
+    finally:
+        if temp_log_dir:
+            shutil.rmtree(temp_log_dir, ignore_errors=True)
+
+
+def _serve_configured(spec, state, conn_fd, args, config, command, warm_ranks, recorded,
+                      temp_log_dir) -> int:
+    cmd, cmd_args = command
     reason = "nproc_per_node=gpu without NVML" if config is None else unsupported_reason(args, config)
     wanted = Settings.from_env()
     max_ranks = wanted.max_ranks
@@ -192,85 +148,38 @@ def serve_launch(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args,
     if reason:
         protocol.send_event(conn_fd, "fallback", reason=reason, retire=False)
         return 0
-    if args.run_path:
+    if args.run_path:  # runpy.run_path(path): __file__ as given
         target = PythonTarget(kind="script", value=cmd_args[0], args=list(cmd_args[1:]),
-                              prog=sys.executable)
+                              prog=sys.executable, executable=sys.executable, file_as_given=True)
     else:
         target = parse_python_argv([cmd, *cmd_args])
+        if isinstance(target, Unsupported):
+            protocol.send_event(conn_fd, "fallback", reason=target.reason, retire=False)
+            return 0
+        target.executable = cmd
     protocol.send_event(conn_fd, "exec", t=time.time())
     runtime.keep_for_exit_report(conn_fd)
     if len(warm_ranks) != config.nproc_per_node:
         release_ranks(warm_ranks)
         warm_ranks.clear()
-    agent = Agent(spec, state, args, config, target, explicit_port, warm_ranks)
-    code = agent.run()
-    if failure_code is not None and code > 0:
-        code = failure_code
+    agent = Agent(spec, state, config, target, warm_ranks, temp_log_dir)
+    if not recorded:  # the caller's launcher reads what torchrun's run() raises
+        try:
+            agent.launch()
+        finally:
+            agent.finish(None)
+        return 0
+    code = elastic.run_recorded(agent.launch)
     agent.finish(code)
     return code
 
 
-class RankHandle:
-    """A forked rank waiting on ``sock`` for everything it needs to become its step's rank."""
-
-    def __init__(self, pid: int, sock: socket.socket) -> None:
-        self.pid, self.sock = pid, sock
-
-
-def fork_waiting_ranks(n: int, state: runtime.ZygoteState, warm_cuda: bool,
-                       close_fds: tuple[int, ...] = ()) -> dict[int, RankHandle]:
-    """Fork n ranks that wait for their orders (and, pre-warmed, first make their CUDA context).
-    They stay in the agent's process group: killing the step kills its ranks."""
-    ranks: dict[int, RankHandle] = {}
-    for rank in range(n):
-        agent_end, rank_end = socket.socketpair()
-        others = [h.sock.fileno() for h in ranks.values()]
-
-        def body(rank=rank, rank_end=rank_end, others=others) -> int:
-            runtime.close_fds([agent_end.fileno(), *others, *close_fds])
-            return wait_as_rank(rank, rank_end, state, warm_cuda)
-
-        pid = runtime.fork(body, new_group=False)
-        rank_end.close()
-        ranks[rank] = RankHandle(pid, agent_end)
-    return ranks
-
-
-def release_ranks(ranks: dict[int, RankHandle]) -> None:
-    """Waiting ranks that will not be used exit on EOF; reap them."""
-    for handle in ranks.values():
-        handle.sock.close()
-    for handle in ranks.values():
-        try:
-            os.waitpid(handle.pid, 0)
-        except ChildProcessError:
-            pass
-
-
-def wait_as_rank(rank: int, sock: socket.socket, state: runtime.ZygoteState,
-                 warm_cuda: bool) -> int:
-    """A rank's life: (make the CUDA context,) wait for its orders (a StepSpec), set up, run."""
-    runtime.die_with_parent()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if warm_cuda:
-        cuda.warm_context(rank, state.prewarm_cuda)
-    try:
-        orders, fds = protocol.recv_request_blocking(sock)
-    except (OSError, ValueError):
-        return 0  # released unused, or the agent gave up before the start
-    runtime.keep_for_exit_report(sock.detach())  # the rank reports its exit code to the agent
-    spec = StepSpec.from_json_dict(orders)
-    runtime.set_up(spec, state, fds)
-    return child.run_python_step(spec.target, state, None)
-
-
 class Agent:
-    def __init__(self, spec: StepSpec, state: runtime.ZygoteState, args, config, target: PythonTarget,
-                 explicit_port: bool, warm_ranks: Optional[dict[int, RankHandle]] = None):
+    def __init__(self, spec: StepSpec, state: runtime.ZygoteState, config, target: PythonTarget,
+                 warm_ranks: Optional[dict[int, RankHandle]] = None, temp_log_dir: str = ""):
         self.spec = spec
-        self.explicit_port = explicit_port
+        self.temp_log_dir = temp_log_dir  # removed before the exit report: nothing left after
         self.state = state
-        self.args = args
         self.config = config
         self.target = target
         # torchrun's own log layout: <log_dir>/<run_id>/attempt_0/<rank>/{stdout,stderr}.log,
@@ -284,27 +193,21 @@ class Agent:
         self.alive: set[int] = set()  # rank pids not reaped yet (a rank reports, then exits)
         self.reports: dict[int, socket.socket] = {}  # pid -> where the rank reports its code
         self.readers: dict[int, protocol.EventReader] = {}  # pid -> that connection's reader
-        self.failures: dict[int, RankFailure] = {}
-
-    def master(self) -> tuple[str, int]:
-        """Where the agent hosts the store: an explicit port is honoured, else a free one."""
-        if self.config.rdzv_backend == "static":
-            addr = self.args.master_addr
-            port = int(self.args.master_port) if self.explicit_port \
-                else int(os.environ.get("MASTER_PORT", 0))
-            return addr, port
-        host, _, port = (self.config.rdzv_endpoint or "localhost:0").rpartition(":")
-        return host or "localhost", int(port or 0) or int(os.environ.get("MASTER_PORT", 0))
+        self.failures: dict = {}  # local rank -> torch's ProcessFailure, in the order seen
+        self.store = None  # the rendezvous store the agent hosts
 
     def send_orders(self, addr: str, port: int) -> None:
-        """Everything a rank needs: its env (torchrun's contract), cwd, target, log files, stdio."""
-        envs = rank_envs(self.config, addr, port, self.logs.error_files, dict(os.environ))
+        """Everything a rank needs: its env (torchrun's contract), cwd, argv, log files, stdio."""
+        envs = rendezvous.rank_envs(self.config, addr, port, self.logs.error_files,
+                                    dict(os.environ))
         for rank, handle in self.handles.items():
+            target = dataclasses.replace(self.target,
+                                         args=rendezvous.rank_args(self.target.args, rank))
             orders = StepSpec(args=self.spec.args, env=envs[rank], cwd=os.getcwd(),
-                              target=self.target, stdout_file=self.logs.stdouts.get(rank, ""),
+                              target=target, stdout_file=self.logs.stdouts.get(rank, ""),
                               stderr_file=self.logs.stderrs.get(rank, ""),
-                              thread_counts=self.spec.thread_counts)
-            protocol.send_request(handle.sock, orders.to_json_dict(), [0, 1])
+                              thread_counts=self.spec.thread_counts, fd_targets=[0, 1, 2])
+            protocol.send_request(handle.sock, orders.to_json_dict(), [0, 1, 2])
             self.reports[handle.pid] = handle.sock
             self.readers[handle.pid] = protocol.EventReader()
 
@@ -334,67 +237,71 @@ class Agent:
                         world_size=self.config.nproc_per_node, is_master=True,
                         wait_for_workers=False, use_libuv=True)
 
-    def run(self) -> int:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(signum, _raise_shutdown)
-        if not self.handles:
-            self.handles = fork_waiting_ranks(self.config.nproc_per_node, self.state, warm_cuda=False)
-        self.ranks = {h.pid: rank for rank, h in self.handles.items()}
-        self.alive = set(self.ranks)
+    def launch(self) -> None:
+        """torch elastic's ``agent.run()`` for this launch's one attempt: returns when every
+        rank succeeded; raises ``SignalException`` for a handled signal (the ranks get the same
+        signal, once) and ``ChildFailedError`` for failed ranks (the others are terminated)."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        replaced = elastic.handle_signals(self.config.signals_to_handle)
         try:
-            addr, port = self.master()
+            if not self.handles:
+                self.handles = fork_waiting_ranks(self.config.nproc_per_node, self.state,
+                                                  warm_cuda=False)
+            self.ranks = {h.pid: rank for rank, h in self.handles.items()}
+            self.alive = set(self.ranks)
             try:
-                store = self.start_store(addr, port)
-            except Exception as exc:
-                print(f"[preload_launcher] cannot host the rendezvous store on {addr}:{port}: {exc}",
-                      file=sys.stderr, flush=True)
-                self.terminate(signal.SIGKILL)
-                return 1
-            self.start_tails()
-            self.send_orders(addr, store.port)
-            self.handles.clear()
-            self.wait_all()
-        except _Shutdown as stop:
-            self.terminate(signal.SIGTERM)
-            if not self.failures:
-                return -stop.signum
+                self.start_ranks()
+                self.wait_all()
+            except SignalException as stop:
+                elastic.log_death_signal(stop.sigval)
+                self.close(stop.sigval, self.config.shutdown_timeout)
+                raise
+            except BaseException:
+                self.close(signal.SIGKILL, 0)
+                raise
         finally:
             self.stop_tails()
+            elastic.restore_signals(replaced)
         if self.failures:
-            self.report_failures()
-            first = min(self.failures.values(), key=lambda f: f.timestamp)
-            return first.exitcode
-        return 0
+            elastic.log_first_failure(self.failures, self.target.prog)
+            raise elastic.child_failed(self.target.value, self.failures)
+
+    def start_ranks(self) -> None:
+        """Host the store (its thread starts after every rank was forked), hand out orders."""
+        addr, port = rendezvous.store_endpoint(self.config)
+        self.store = self.start_store(addr, port)  # served while the agent holds it
+        self.start_tails()
+        self.send_orders(addr, self.store.port)
+        self.handles.clear()
 
     def wait_all(self) -> None:
-        """Collect each rank's exit code, from its report or else its exit status; the first
-        failure stops the others (all-or-nothing)."""
-        wakeup_r, wakeup_w = os.pipe()
-        os.set_blocking(wakeup_r, False)
-        os.set_blocking(wakeup_w, False)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd
-        previous = signal.set_wakeup_fd(wakeup_w)
-        selector = selectors.DefaultSelector()
-        selector.register(wakeup_r, selectors.EVENT_READ, None)
-        for pid, sock in self.reports.items():
-            selector.register(sock, selectors.EVENT_READ, pid)
-        try:
+        """Collect each rank's exit code, from its report or else its exit status; a failure
+        stops the others (all-or-nothing), whose codes are collected too. Like torch's agent,
+        which looks at its ranks once per monitor interval, the ranks that fail within one
+        interval of the first are failures alike, in local-rank order."""
+        with RankWatch(self.reports) as watch:
             while self.ranks:
-                for pid, code in self.reaped() + self.reported(selector):
-                    rank = self.ranks.pop(pid, None)
-                    if rank is not None and code != 0:
+                failed = [end for end in self.finished(watch) if end[2] != 0]
+                if failed:
+                    deadline = time.monotonic() + self.config.monitor_interval
+                    while self.ranks and time.monotonic() < deadline:
+                        watch.wait(max(0.0, deadline - time.monotonic()))
+                        failed += [end for end in self.finished(watch) if end[2] != 0]
+                    for rank, pid, code in sorted(failed):
                         self.record_failure(rank, pid, code)
-                        self.terminate(signal.SIGTERM)
-                        return
+                    self.close(signal.SIGTERM, self.spec.grace_s, watch)
+                    return
                 if self.ranks:
-                    for key, _ in selector.select():
-                        if key.data is None:
-                            protocol.drain(wakeup_r)
-        finally:
-            signal.set_wakeup_fd(previous)
-            selector.close()
-            os.close(wakeup_r)
-            os.close(wakeup_w)
+                    watch.wait(None)
+
+    def finished(self, watch: Optional["RankWatch"]) -> list[tuple[int, int, int]]:
+        """(local rank, pid, exit code) of the ranks that ended since the last call."""
+        ended = []
+        for pid, code in self.reaped() + (watch.reported(self.readers) if watch else []):
+            rank = self.ranks.pop(pid, None)
+            if rank is not None:
+                ended.append((rank, pid, code))
+        return ended
 
     def reaped(self) -> list[tuple[int, int]]:
         """(pid, exit code) of ranks that exited since the last call."""
@@ -411,49 +318,40 @@ class Agent:
                 done.append((pid, os.waitstatus_to_exitcode(status)))
         return done
 
-    def reported(self, selector: selectors.BaseSelector) -> list[tuple[int, int]]:
-        """(pid, exit code) that ranks reported before exiting."""
-        done = []
-        for key, _ in selector.select(0):
-            if key.data is None:
-                continue
-            try:
-                data = key.fileobj.recv(4096)
-            except OSError:
-                data = b""
-            if not data:
-                selector.unregister(key.fileobj)
-                continue
-            for event in self.readers[key.data].feed(data):
-                if event.get("event") == "exit":
-                    done.append((key.data, int(event["returncode"])))
-        return done
-
     def record_failure(self, rank: int, pid: int, code: int) -> None:
-        self.failures[rank] = RankFailure(local_rank=rank, pid=pid, exitcode=code,
-                                          timestamp=time.time(),
-                                          error_file=self.logs.error_files.get(rank, ""))
+        self.failures[rank] = elastic.process_failure(rank, pid, code,
+                                                      self.logs.error_files.get(rank, ""))
 
-    def terminate(self, signum: int) -> None:
-        """SIGTERM the rest, wait one deadline, then SIGKILL (torch elastic's ``_close``)."""
+    def close(self, death_sig: int, timeout: float, watch: Optional["RankWatch"] = None) -> None:
+        """torch elastic's ``_close``: ``death_sig`` once to each running rank's group, up to
+        ``timeout`` for them to end, then SIGKILL; the codes of those that fail are failures."""
         for pid in self.ranks:
-            _kill(pid, signum)
-        deadline = time.monotonic() + self.spec.grace_s
-        while set(self.ranks) & self.alive and time.monotonic() < deadline:
-            try:
-                if not self.reaped():
+            elastic.log_closing(pid, death_sig)
+            _signal_rank(pid, death_sig)
+        deadline = time.monotonic() + timeout
+        while self.ranks and time.monotonic() < deadline:
+            ended = self.finished(watch)
+            for rank, pid, code in ended:
+                if code != 0:
+                    self.record_failure(rank, pid, code)
+            if self.ranks and not ended:
+                if watch:
+                    watch.wait(max(0.0, deadline - time.monotonic()))
+                else:
                     time.sleep(0.05)
-            except _Shutdown:
-                break
         for pid in self.ranks:
-            _kill(pid, signal.SIGKILL)
+            _signal_rank(pid, signal.SIGKILL)
         self.ranks.clear()
 
-    def finish(self, code: int) -> None:
-        """Report the step's exit code, then wait for the ranks' processes to be gone: their
-        CUDA teardown is off the caller's path, and no rank outlives its agent."""
-        runtime.flush_std_streams()
-        runtime.report_exit(code)
+    def finish(self, code: Optional[int]) -> None:
+        """Report the step's exit code (None: the caller will), then wait for the ranks'
+        processes to be gone: their CUDA teardown is off the caller's path, and no rank
+        outlives its agent."""
+        if self.temp_log_dir:
+            shutil.rmtree(self.temp_log_dir, ignore_errors=True)
+        if code is not None:
+            runtime.flush_std_streams()
+            runtime.report_exit(code)
         for sock in self.reports.values():
             sock.close()
         for pid in list(self.alive):
@@ -463,25 +361,65 @@ class Agent:
                 pass
         self.alive.clear()
 
-    def report_failures(self) -> None:
-        """Print torchrun's failure summary, root cause first, through its own formatter."""
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-        failures = {}
-        for rank, f in self.failures.items():
-            pf = ProcessFailure(local_rank=f.local_rank, pid=f.pid, exitcode=f.exitcode,
-                                error_file=f.error_file)
-            if not os.path.isfile(f.error_file):
-                pf.timestamp = int(f.timestamp)
-            failures[rank] = pf
-        name = self.target.value
-        error = ChildFailedError(name=name, failures=failures)
-        sys.stdout.flush()
-        print(f"{type(error).__module__}.{type(error).__name__}: \n{error.format_msg()}",
-              file=sys.stderr, flush=True)
+
+class RankWatch:
+    """Waits for the ranks' exit reports and for SIGCHLD (through the wakeup fd)."""
+
+    def __init__(self, reports: dict[int, socket.socket]) -> None:
+        self.reports = reports
+
+    def __enter__(self) -> "RankWatch":
+        self.wakeup_r, self.wakeup_w = os.pipe()
+        os.set_blocking(self.wakeup_r, False)
+        os.set_blocking(self.wakeup_w, False)
+        self.previous_chld = signal.signal(signal.SIGCHLD, lambda *_: None)  # for the wakeup fd
+        self.previous_fd = signal.set_wakeup_fd(self.wakeup_w)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.wakeup_r, selectors.EVENT_READ, None)
+        for pid, sock in self.reports.items():
+            self.selector.register(sock, selectors.EVENT_READ, pid)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        signal.set_wakeup_fd(self.previous_fd)
+        signal.signal(signal.SIGCHLD, self.previous_chld)
+        self.selector.close()
+        os.close(self.wakeup_r)
+        os.close(self.wakeup_w)
+
+    def wait(self, timeout: Optional[float]) -> None:
+        for key, _ in self.selector.select(timeout):
+            if key.data is None:
+                protocol.drain(self.wakeup_r)
+
+    def reported(self, readers: dict[int, protocol.EventReader]) -> list[tuple[int, int]]:
+        """(pid, exit code) that ranks reported before exiting (a code as its exit status
+        reads: ``sys.exit(256)`` is 0)."""
+        done = []
+        for key, _ in self.selector.select(0):
+            if key.data is None:
+                continue
+            try:
+                data = key.fileobj.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                self.selector.unregister(key.fileobj)
+                continue
+            for event in readers[key.data].feed(data):
+                if event.get("event") == "exit":
+                    code = int(event["returncode"])
+                    done.append((key.data, code & 0xFF if code >= 0 else code))
+        return done
 
 
-def _kill(pid: int, signum: int) -> None:
+def _signal_rank(pid: int, signum: int) -> None:
+    """A rank's group, as torch elastic's ``SubprocessHandler.close`` signals it (the rank
+    itself while it has not made its session yet)."""
     try:
-        os.kill(pid, signum)
+        os.killpg(pid, signum)
     except ProcessLookupError:
-        pass
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass

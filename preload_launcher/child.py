@@ -18,7 +18,7 @@ import types
 import warnings
 from typing import Optional
 
-from . import learn, protocol, runtime
+from . import deferral, learn, protocol, runtime, shadowing
 from .command import PythonTarget
 
 __all__ = ["run_python_step"]
@@ -60,7 +60,7 @@ def _fresh_main(target: PythonTarget) -> types.ModuleType:
     main.__dict__.update(__builtins__=__import__("builtins"), __annotations__={},
                          __spec__=None, __package__=None)
     if target.kind == "script":
-        path = os.path.abspath(target.value)
+        path = target.value if target.file_as_given else os.path.abspath(target.value)
         main.__file__ = path
         main.__cached__ = None
         main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
@@ -157,6 +157,8 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     reports to its agent)."""
     configure_stdio(target, dict(os.environ))
     apply_interpreter_options(target, state.base_path)
+    shadowing.drop_shadowed(sys.path)  # the step's own modules win, as in a fresh interpreter
+    deferral.replay_eager()  # with the step's sys.path, so its own modules are found
     start_coverage_if_requested()
     sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)
     if conn_fd is not None:
@@ -164,7 +166,8 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
         runtime.keep_for_exit_report(conn_fd)
     modules_before = set(sys.modules)
     code = run_target(target)
-    learn.report_step_imports(modules_before, state.learn_reports_dir, state.project)
+    learn.report_step_imports(modules_before, state.learn_reports_dir, state.project,
+                              state.base_path)
     return runtime.finish(code)
 
 

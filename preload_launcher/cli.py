@@ -13,6 +13,7 @@ import sys
 from typing import Optional
 
 from . import __version__, settings
+from .rundir import NoPrivateDirectory
 from .reporting import format_doctor  # noqa: F401 (the GPU scripts import it from here)
 
 __all__ = ["main", "build_parser"]
@@ -136,6 +137,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except settings.SettingsError as err:
         print(f"preload-launcher {args.verb}: {err}", file=sys.stderr)
         return 2
+    except NoPrivateDirectory as err:  # another user holds or opened our directories
+        print(f"preload-launcher {args.verb}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

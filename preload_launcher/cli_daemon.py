@@ -39,6 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          implicit=args.implicit)
         finally:
             unlink_all(starting_file(modules))  # started (or failed): `run` may try again
+    if zygote.process is not None:  # this call started it (else another had, meanwhile)
         print(f"preload-launcher: serving, pid {zygote.status['pid']}, preloaded "
               f"{', '.join(zygote.status['preload']['loaded']) or '(none)'} in "
               f"{zygote.status['preload']['seconds']:.1f} s; log {zygote.log_path}")
@@ -78,8 +79,12 @@ def format_starting(starter: dict) -> str:
 def _chosen(args: argparse.Namespace) -> tuple[list[dict], list[dict], str]:
     """(metadata of the daemons a status/stop call means, those of them still starting, what
     to say when there is none): --all, else the preload set by the rule every verb uses."""
-    from_meta = daemon.list_daemons()
     starting = starting_daemons()
+    # A starting daemon's metadata is written before it serves, and it answers only once it
+    # serves: status and stop report it as starting rather than wait for it.
+    markers = {s["marker"] for s in starting}
+    from_meta = [m for m in daemon.list_daemons()
+                 if m.get("socket", "")[:-len(".sock")] + ".starting" not in markers]
     if args.all:
         return from_meta, starting, ("no daemon is running (start one with: "
                                      "preload-launcher serve --detach)")

@@ -46,8 +46,9 @@ def cmd_learned(args: argparse.Namespace) -> int:
     for module in args.forget or []:
         profile.forget(module)
     if args.clear:
-        profile.data["modules"] = {}
-    profile.save()
+        profile.clear()
+    if not profile.save() and (args.pin or args.forget or args.clear):
+        return 1  # the reason is printed already
     modules = profile.data["modules"]
     print(f"profile {profile.path} (project {project})")
     print(f"{len(modules)} learned, pinned: {', '.join(profile.data['pinned']) or '-'}, "

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 from . import settings
 from .daemon_files import daemon_paths, list_daemons, pid_alive
+from .result import LauncherError
 
 __all__ = ["cmd_run", "exit_status", "worth_a_daemon", "MIN_CPU_S"]
 
@@ -44,10 +45,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     modules = settings.preload_modules(args.preload)
     wanted = settings.Settings.from_env()
-    if not args.no_daemon and wanted.autoserve and not _daemon_known(modules):
-        return _run_plain_first(args, modules, wanted)
-    step = importlib.import_module(f"{__package__}.cli_step")
-    return exit_status(step.run_forked(args, modules, settings.preload_source(args.preload)))
+    try:
+        if not args.no_daemon and wanted.autoserve and not _daemon_known(modules):
+            return _run_plain_first(args, modules, wanted)
+        step = importlib.import_module(f"{__package__}.cli_step")
+        return exit_status(step.run_forked(args, modules, settings.preload_source(args.preload)))
+    except LauncherError as err:  # no private directory, a daemon that cannot start
+        print(f"preload-launcher run: {err}; running the command as a plain process",
+              file=sys.stderr)
+        return exit_status(run_plain(args.command, args.timeout)[0])
 
 
 def _daemon_known(modules: Sequence[str]) -> bool:

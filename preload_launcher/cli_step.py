@@ -14,6 +14,7 @@ from . import daemon
 from .cli_run import other_daemons, say
 from .client import Launcher, ZygoteProcess
 from .reporting import preload_problems
+from .result import ZygoteDied
 
 __all__ = ["run_forked"]
 
@@ -35,6 +36,10 @@ def run_forked(args: argparse.Namespace, modules: Sequence[str], named_in: str) 
     except subprocess.TimeoutExpired:
         print(f"preload-launcher run: timed out after {args.timeout} s", file=sys.stderr)
         return 124
+    except ZygoteDied as err:  # `stop` (or a crash) ended the daemon, and the step with it
+        print(f"preload-launcher run: the zygote (pid {err.pid}) stopped while running the "
+              "command, which was killed with it", file=sys.stderr)
+        return -signal.SIGKILL
     finally:
         statuses = [z.status for z in launcher.zygotes]
         launcher.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import codecs
+import errno
 import io
 import itertools
 import locale
@@ -26,7 +27,7 @@ from . import cuda, protocol, settings, standin
 from .command import StepSpec, Unsupported, parse_command, resolves_to_this_interpreter
 from .files import remove_all, unlink_all, zygote_files
 from .gpus import pool_ids as gpu_pool_ids
-from .result import LauncherError, StepResult
+from .result import LauncherError, StepResult, ZygoteDied
 from .settings import Settings, ZygoteConfig
 
 __all__ = ["ZygoteProcess", "Launcher", "run", "run_capturing", "default_launcher"]
@@ -43,11 +44,12 @@ OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
 COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 
 # The zygote's command line: ``python -u -c BOOTSTRAP PKG_PARENT CONFIG_JSON``. sys.path keeps
-# what a fresh interpreter has (minus sys.path[0]), whether or not the package is installed.
+# what a fresh interpreter has (minus sys.path[0]), whether or not the package is installed;
+# ``startup`` is what python imported before any code ran (shadowing).
 BOOTSTRAP = (
-    "import sys; base = sys.path[1:]; sys.path.insert(0, sys.argv[1]); "
-    "from preload_launcher import zygote; sys.path[:] = base; "
-    "zygote.main(sys.argv[2], base)"
+    "import sys; startup = frozenset(sys.modules); base = sys.path[1:]; "
+    "sys.path.insert(0, sys.argv[1]); from preload_launcher import shadowing, zygote; "
+    "sys.path[:] = base; shadowing.startup_modules = startup; zygote.main(sys.argv[2], base)"
 )
 
 
@@ -58,7 +60,8 @@ class ZygoteProcess:
                  cache_dir: Optional[str] = None, socket_path: Optional[str] = None,
                  daemon: bool = False, project: Optional[str] = None,
                  profile: Optional[str] = None, idle_timeout_s: Optional[float] = None,
-                 gpus: Optional[str] = None, implicit: bool = False) -> None:
+                 gpus: Optional[str] = None, implicit: bool = False,
+                 lock_fd: int = -1) -> None:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
         # Per-test variables are the step's business, never the preload's; so are thread
@@ -80,6 +83,7 @@ class ZygoteProcess:
         # A daemon pre-warms by default where there are GPUs, unless `run` started it on its
         # own: that one holds no GPU memory the user did not ask for.
         self.warm_by_default = daemon and not implicit
+        self.lock_fd = lock_fd  # a daemon's lock, handed to it to hold for life
         self.project = os.path.abspath(project or os.getcwd())
         profile = profile or self.settings.profile
         self.profile = os.path.abspath(profile) if profile else ""
@@ -109,7 +113,7 @@ class ZygoteProcess:
         ready_r, ready_w = os.pipe()
         alive_r, alive_w = (-1, -1) if self.daemon else os.pipe()
         config = self.config(listener.fileno(), ready_w, alive_r)
-        pass_fds = [fd for fd in (listener.fileno(), ready_w, alive_r) if fd >= 0]
+        pass_fds = [fd for fd in (listener.fileno(), ready_w, alive_r, self.lock_fd) if fd >= 0]
         try:
             with open(self.log_path, "ab") as log:
                 self.process = subprocess.Popen(
@@ -136,7 +140,7 @@ class ZygoteProcess:
     def path_for(self, env: Mapping[str, str], cwd: str) -> Optional[str]:
         """``env``'s PATH with stand-ins first for the names there that start this interpreter
         (python, python3, python3.X, torchrun, accelerate); None when there are none."""
-        if not self.standins:
+        if not self.standins or not standin.trusted(self.standins):
             return None
         names = [name for name in standin.nested_names()
                  if resolves_to_this_interpreter(name, env, cwd,
@@ -144,6 +148,8 @@ class ZygoteProcess:
         if not names:
             return None
         entry = standin.path_entry(os.path.dirname(self.standins), names)
+        if not entry:
+            return None
         return os.pathsep.join([entry, env.get("PATH", os.defpath)])
 
     def config(self, listen_fd: int, ready_fd: int, alive_fd: int) -> ZygoteConfig:
@@ -161,7 +167,8 @@ class ZygoteProcess:
                             prewarm_ranks=s.prewarm_ranks if s.prewarm_ranks is not None else gpus,
                             profile=self.profile,
                             idle_timeout_s=self.idle_timeout_s if self.daemon else 0.0,
-                            gpus=self.gpu_pool(), gpus_visible=self.env.get("CUDA_VISIBLE_DEVICES"))
+                            gpus=self.gpu_pool(), gpus_visible=self.env.get("CUDA_VISIBLE_DEVICES"),
+                            lock_fd=self.lock_fd)
 
     def gpu_pool(self) -> list[str]:
         if not self.gpus:
@@ -228,6 +235,7 @@ class ZygoteProcess:
         """A handle on a running zygote (a daemon); raises OSError when none answers there."""
         z = cls.__new__(cls)
         z.modules, z.env, z.socket_path, z.daemon, z.process = [], {}, socket_path, True, None
+        z.lock_fd = -1
         z.settings = Settings()
         z.log_path, z.cache_dir, z._alive_w, z._ready_r = "", "", -1, -1
         z._ready, z._start_error, z._ready_lock = threading.Event(), None, threading.Lock()
@@ -280,9 +288,15 @@ class ZygoteProcess:
     # -------------------------------------------------------------- requests
 
     def connect(self) -> socket.socket:
+        """A connection to this zygote; refused unless the listener runs as us (a socket put
+        in our place by another user never sees a step)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.socket_path)
+            uid = protocol.peer_uid(sock)
+            if uid != os.getuid():
+                raise ConnectionRefusedError(errno.ECONNREFUSED, f"not ours: served by uid {uid}",
+                                             self.socket_path)
         except OSError:
             sock.close()
             raise
@@ -673,8 +687,7 @@ def _result_of(zygote: ZygoteProcess, spec: StepSpec, waiter: "_StepWait", secon
             raise LauncherError(err.get("strerror") or "step setup failed")
         raise exc_type(err["errno"], err["strerror"], err["filename"])
     if "exit" not in events:
-        raise LauncherError(f"zygote {zygote.status.get('pid')} died while running "
-                            f"{spec.args!r}; output so far:\n{_decode(waiter.output)}")
+        raise ZygoteDied(zygote.status.get("pid"), spec.args, _decode(waiter.output))
     reason = "output held open by a daemonised grandchild" if "held_output" in events else ""
     result = StepResult(spec.args, events["exit"]["returncode"], _decode(waiter.output),
                         None, via="zygote", reason=reason)

@@ -34,6 +34,7 @@ class PythonTarget:
     warnoptions: list[str] = field(default_factory=list)
     xoptions: list[str] = field(default_factory=list)
     executable: str = ""  # sys.executable as python computes it from argv[0] ("" = the zygote's)
+    file_as_given: bool = False  # __main__.__file__ as given (runpy.run_path: torchrun --run-path)
 
 
 @dataclass
@@ -141,6 +142,22 @@ def _invoked_path(program: str, env: dict[str, str], cwd: str) -> str:
     (links kept), a bare name is looked up on PATH."""
     found = program if os.sep in program else shutil.which(program, path=env.get("PATH", os.defpath))
     return os.path.normpath(os.path.join(cwd, found)) if found else ""
+
+
+def launcher_interpreter(args: list[str], env: dict[str, str], cwd: str) -> str:
+    """The interpreter a launcher (``torchrun``, ``accelerate``, ``python -m …``) runs in, as
+    its own ``sys.executable`` reads: what it starts its programs with. A console script
+    names it on its ``#!`` line; behind a wrapper (a pyenv shim), the script of the same name
+    beside this interpreter does."""
+    if _looks_like_python(args[0]):
+        return _invoked_path(args[0], env, cwd) or sys.executable
+    found = args[0] if os.sep in args[0] else shutil.which(args[0], path=env.get("PATH", os.defpath))
+    for script in (os.path.join(cwd, found) if found else "",
+                   os.path.join(os.path.dirname(sys.executable), os.path.basename(args[0]))):
+        interpreter = _shebang_interpreter(script) if script else None
+        if interpreter and not interpreter.endswith("sh"):
+            return interpreter
+    return sys.executable
 
 
 def _looks_like_python(program: str) -> bool:

@@ -17,10 +17,13 @@ from typing import Mapping, Optional, Sequence
 from .client import ZygoteProcess
 from .daemon_files import (daemon_paths, list_daemons, pid_alive, read_starting, starting_file,
                            write_starting)
-from .files import read_json, unlink_all, write_json, zygote_files
+from .files import lock_file, read_json, remove_all, unlink_all, write_json, zygote_files
+from .result import LauncherError
 
 __all__ = ["daemon_paths", "find_daemon", "start_daemon", "spawn_daemon", "mark_starting",
            "wait_for_starting", "stop_daemon", "list_daemons"]
+
+START_WAIT_S = 600.0  # how long to wait for a daemon that another process is starting
 
 
 def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Optional[dict]]:
@@ -38,14 +41,39 @@ def find_daemon(modules: Sequence[str]) -> tuple[Optional[ZygoteProcess], Option
 def start_daemon(modules: Sequence[str], env: Mapping[str, str],
                  idle_timeout_s: Optional[float] = None, progress=None,
                  implicit: bool = False) -> ZygoteProcess:
-    """Start a detached daemon (replacing a dead one) and wait until it serves. ``implicit``:
-    `run` started it on its own, so it pre-warms no CUDA context unless a variable asks."""
+    """Start a detached daemon (replacing a dead one) and wait until it serves; when another
+    process starts one or runs one meanwhile, that one. Every way a daemon starts goes through
+    here: its lock (taken here, then held by the daemon for life) lets one live at a time, and
+    only its holder replaces the socket and writes the metadata. ``implicit``: `run` started it
+    on its own, so it pre-warms no CUDA context unless a variable asks."""
     sock, meta_path = daemon_paths(modules)
-    zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
-                           idle_timeout_s=idle_timeout_s, implicit=implicit).start(progress)
-    meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
-            "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
-    write_json(meta_path, meta)
+    lock = zygote_files(sock)["lock"]
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        lock_fd = lock_file(lock)
+        if lock_fd is not None:
+            break
+        try:  # another daemon lives or is starting: it answers once its preload is done
+            return ZygoteProcess.attach(sock)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise LauncherError(f"a daemon holds {lock} but does not answer at {sock}")
+            time.sleep(0.1)
+    try:
+        zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
+                               idle_timeout_s=idle_timeout_s, lock_fd=lock_fd,
+                               implicit=implicit).launch()
+        # Written before it serves: it takes this file with it when it stops, even at once.
+        meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
+                "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
+        write_json(meta_path, meta)
+        try:
+            zygote.wait_ready(progress)
+        except BaseException:
+            unlink_all(meta_path)  # it never served (the lock is still ours)
+            raise
+    finally:
+        os.close(lock_fd)  # the daemon holds it now (or, if it failed, no one)
     zygote.process.returncode = 0  # detached: never reaped (or warned about) by this process
     return zygote
 
@@ -104,7 +132,8 @@ def wait_for_starting(starters: list[dict], timeout: float = 120.0) -> None:
 def stop_daemon(modules: Sequence[str], timeout: float = 10.0,
                 sock: Optional[str] = None) -> Optional[int]:
     """Stop the daemon and every step it runs; returns its pid, or None if none ran. ``sock``:
-    its socket (default: this interpreter's daemon for ``modules``)."""
+    its socket (default: this interpreter's daemon for ``modules``). What a daemon that died
+    left behind goes too, but never the files of one that lives."""
     sock = sock or daemon_paths(modules)[0]
     try:
         zygote: Optional[ZygoteProcess] = ZygoteProcess.attach(sock)
@@ -119,5 +148,9 @@ def stop_daemon(modules: Sequence[str], timeout: float = 10.0,
             time.sleep(0.05)
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
-    unlink_all(*zygote_files(sock).values())  # socket, log, proxy and this metadata
+    files = zygote_files(sock)
+    lock_fd = lock_file(files["lock"], wait_s=timeout)  # free once the daemon's pid is gone
+    if lock_fd is not None:
+        remove_all(*files.values())  # socket, log, stand-ins, metadata, then the lock (held)
+        os.close(lock_fd)
     return pid

@@ -13,29 +13,28 @@ Rules while importing (measured on an H200 image):
 from __future__ import annotations
 
 import builtins
-import collections
-import contextlib
 import gc
 import importlib.util
-import json
 import logging
 import os
-import select
-import signal
 import sys
 import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
-from . import learn, runtime, threads
+from . import learn, threads
 from .verdicts import DEFER, LEARNED, SCOUTED, VerdictCache, package_fingerprint
 from .profiles import read_profile
 from .cuda import (PRELOAD_ENV, DriverProbe, cuda_safe_imports, nvml_device_count,
                    torch_cuda_initialized)
 from .deferral import Blocker, top_level
+from .envreads import recording_env_reads
+from .crashes import CrashGuard, collect_crashes
 from .procfs import native_threads
+from .staleness import StalenessWatch
+from .scouts import Abandon, Follower, Scouts, ScoutStream, checkpoint_key, new_code
 from .settings import IMPORT_ENV_KEYS, PER_TEST_ENV, QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig
 
 __all__ = ["PreloadReport", "EntryReport", "Preloader", "Quarantined", "preload", "VerdictCache",
@@ -44,45 +43,6 @@ __all__ = ["PreloadReport", "EntryReport", "Preloader", "Quarantined", "preload"
 log = logging.getLogger(__name__)
 
 MAX_LEARNED_QUARANTINES = 5
-
-
-# ---------------------------------------------------------------- environment reads during import
-
-class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
-    """``os.environ`` that remembers which keys were looked up one by one (get, [], in, getenv).
-
-    Copies and scans (``dict(os.environ)``, ``.items()``, ``.copy()``) read every key right after
-    iterating them, in order: those reads are not recorded, or every variable, down to
-    ``PYTEST_CURRENT_TEST``, would look import-relevant."""
-
-    read_keys: set = set()
-    _scan: collections.deque = collections.deque()  # keys a scan is about to read, in order
-
-    def __iter__(self):
-        keys = list(super().__iter__())
-        _RecordingEnviron._scan = collections.deque(keys)
-        return iter(keys)
-
-    def __getitem__(self, key):
-        scan = _RecordingEnviron._scan
-        if scan and scan[0] == key:
-            scan.popleft()
-        else:
-            scan.clear()
-            if isinstance(key, str):
-                _RecordingEnviron.read_keys.add(key)
-        return super().__getitem__(key)
-
-
-@contextlib.contextmanager
-def recording_env_reads() -> Iterator[set]:
-    original = os.environ.__class__
-    _RecordingEnviron.read_keys = set()
-    os.environ.__class__ = _RecordingEnviron
-    try:
-        yield _RecordingEnviron.read_keys
-    finally:
-        os.environ.__class__ = original
 
 
 # ---------------------------------------------------------------- culprit hunting
@@ -117,6 +77,7 @@ class PreloadReport:
     hints: dict[str, str] = field(default_factory=dict)  # a profile's verdict -> its check
     found: dict[str, dict] = field(default_factory=dict)  # verdicts scouts found this start
     learned: dict = field(default_factory=dict)  # the learned preload's summary
+    abandoned: str = ""  # the verdict key a scout found too late: restart without it
 
     @property
     def loaded(self) -> list[str]:
@@ -130,15 +91,16 @@ class PreloadReport:
 
 class _CulpritHook:
     """Wraps ``__import__`` to catch the first import after which the driver is initialised,
-    and keeps the live stack of imports (what each was, who asked, for which names)."""
+    and the chain of modules that were importing it; keeps the live stack of ``__import__``
+    calls for a scout's or the zygote's ``watcher`` (``scouts``)."""
 
     def __init__(self, probe: DriverProbe) -> None:
         self.probe = probe
         self.stack: list[str] = []
-        self.frames: list[tuple] = []  # (module, importer, fromlist), parallel to ``stack``
         self.culprit = ""
         self.chain: list[str] = []
         self._original = builtins.__import__
+        self.watcher = None  # a scout's Reporter or the zygote's Follower (``scouts``)
 
     def __call__(self, name, globals=None, locals=None, fromlist=(), level=0):
         label = name
@@ -148,17 +110,20 @@ class _CulpritHook:
                                                     (globals or {}).get("__package__") or "")
             except (ImportError, ValueError):
                 pass
+        key = checkpoint_key(label, fromlist) if self.watcher and new_code(label, fromlist) else ""
+        if key:
+            self.watcher.checkpoint("s", key, self)
         self.stack.append(label)
-        self.frames.append((label, (globals or {}).get("__name__", ""), tuple(fromlist or ())))
         try:
             return self._original(name, globals, locals, fromlist, level)
         finally:
             self.stack.pop()
-            self.frames.pop()
             threads.pin_for_preload()  # torch's pool at one thread as soon as torch is here
             if not self.culprit and self.probe.initialized():
                 self.culprit = label
-                self.chain = _dedupe(self.stack + [label])
+                self.chain = _dedupe(_modules_being_imported() + [label])
+            if key:
+                self.watcher.checkpoint("e", key, self)
 
     def __enter__(self):
         builtins.__import__ = self
@@ -166,6 +131,19 @@ class _CulpritHook:
 
     def __exit__(self, *exc):
         builtins.__import__ = self._original
+
+
+def _modules_being_imported() -> list[str]:
+    """The modules whose top level runs on this thread's stack, outermost first: the chain of
+    importers however each import was spelt (``from . import x`` and ``importlib.import_module``
+    never call ``__import__`` for ``x``)."""
+    names = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") != "__main__":
+            names.append(frame.f_globals.get("__name__", ""))
+        frame = frame.f_back
+    return names[::-1]
 
 
 def _dedupe(names: list[str]) -> list[str]:
@@ -176,25 +154,29 @@ def _dedupe(names: list[str]) -> list[str]:
     return out
 
 
-def import_entry(module: str, probe: DriverProbe, blocker: Optional[Blocker] = None) -> EntryReport:
-    """Import one preload entry and record what it did to the process."""
+def import_entry(module: str, probe: DriverProbe, blocker: Optional[Blocker] = None,
+                 watcher=None) -> EntryReport:
+    """Import one preload entry and record what it did to the process. ``watcher``: a scout's
+    ``Reporter`` or the zygote's ``Follower`` of its scout (``scouts``)."""
     report = EntryReport(module=module)
     threads_before = sum(native_threads().values())
     loaded_before = {top_level(m) for m in sys.modules}
     threads.pin_for_preload()
     start = time.perf_counter()
     with _CulpritHook(probe) as hook:
-        if blocker is not None:
-            blocker.frames = hook.frames
+        hook.watcher = watcher
         try:
+            if watcher is not None:
+                watcher.checkpoint("s", module, hook)
             importlib.import_module(module)
+            if watcher is not None:
+                watcher.checkpoint("e", module, hook)
             report.ok = True
+        except Abandon:
+            raise
         except BaseException as exc:  # a failed preload is reported, never fatal
             report.error = f"{type(exc).__name__}: {exc}"
             report.missing = getattr(exc, "name", None) or "" if isinstance(exc, ImportError) else ""
-        finally:
-            if blocker is not None:
-                blocker.frames = None
     report.seconds = round(time.perf_counter() - start, 3)
     report.native_threads_added = sum(native_threads().values()) - threads_before
     report.python_threads = [t.name for t in threading.enumerate()
@@ -228,52 +210,93 @@ def deferrable_package(chain: list[str], loaded_before: set[str],
 
 def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
             blocker: Optional[Blocker] = None, scout: Callable[[str], bool] = lambda m: False,
-            log: Callable[..., None] = lambda *a: None) -> PreloadReport:
+            log: Callable[..., None] = lambda *a: None,
+            guard: Optional[CrashGuard] = None) -> PreloadReport:
     """Import ``modules`` in order; stop at the first that makes the process unfit to fork.
 
     Entries in ``skip`` are quarantined, and so are their submodules (importing one runs the
     quarantined ``__init__`` again). An entry that fails only because it needs a deferred
     package without a guard is quarantined too (``report.quarantined``); the process stays
     clean, so this costs no restart. Entries for which ``scout(entry)`` is true are scouted
-    (``Scouts``): a verdict a scout finds is added to ``skip`` and ``report.found``."""
+    (``scouts``): a verdict a scout finds is added to ``skip`` and ``report.found``; one found
+    too late to act on without a restart sets ``report.abandoned``. ``guard`` names each entry
+    while it is imported, should it crash the interpreter (``crashes``)."""
     report = PreloadReport(requested=list(modules), probe=probe.name)
     report.quarantined = {k: v for k, v in skip.items() if not k.startswith(DEFER)}
     start = time.perf_counter()
     with cuda_safe_imports() as nvml:
         report.nvml_answers = nvml
-        scouts = Scouts([m for m in modules if m not in sys.modules and scout(m)], probe, blocker) \
-            if blocker is not None else None
+        scouts = Scouts([m for m in modules if m not in sys.modules and scout(m)], import_entry,
+                        probe, blocker) if blocker is not None else None
         try:
-            _import_entries(modules, probe, skip, blocker, scouts, report, log)
+            _import_entries(modules, probe, skip, blocker, scouts, report, log, guard)
         finally:
             if scouts is not None:
                 scouts.close()
+            if guard is not None:
+                guard.close()
     report.seconds = round(time.perf_counter() - start, 3)
     return report
 
 
 def _import_entries(modules: list[str], probe: DriverProbe, skip: dict, blocker: Optional[Blocker],
-                    scouts: Optional[Scouts], report: PreloadReport, log: Callable) -> None:
+                    scouts: Optional[Scouts], report: PreloadReport, log: Callable,
+                    guard: Optional[CrashGuard]) -> None:
     for module in modules:
         if _quarantined(module, report.quarantined):
             continue
         log("preloading %s", module)
-        scouted = scouts.report(module) if scouts is not None else None
-        # A culprit behind a package another entry's scout had deferred is blocked already.
-        if scouted is not None and is_dirty(scouted) and scouted.deferrable not in blocker.packages:
-            key, verdict = verdict_key(scouted, skip)
-            skip[key] = report.found[key] = verdict
-            if not key.startswith(DEFER):
-                report.quarantined[module] = verdict
-                continue
-            blocker.packages.add(key[len(DEFER):])
-        entry = import_entry(module, probe, blocker)
+        stream = scouts.stream(module) if scouts is not None else None
+        follower = None
+        if stream is not None:
+            scouts.drain()
+            if stream.report is not None or stream.finished:  # it is done already
+                stream.end(killed=stream.report is not None)
+                if not _act_on_scout(stream, skip, blocker, report, started=False):
+                    continue
+            else:
+                follower = Follower(scouts, stream, top_level(module), lambda done: (
+                    _act_on_scout(done, skip, blocker, report, started=True)))
+        if guard is not None:
+            guard.importing(module)
+        try:
+            entry = import_entry(module, probe, blocker, follower)
+        except Abandon as abandoned:
+            report.abandoned = abandoned.key
+            return
+        finally:
+            if stream is not None:
+                stream.end(killed=True)  # the zygote's own import is proven: done with it
         report.entries.append(entry)
         if is_dirty(entry):
             report.dirty_entry = module
             return
         if blocker is not None and top_level(entry.missing) in blocker.packages:
             report.quarantined[module] = unguarded_verdict(entry, skip)
+
+
+def _act_on_scout(stream: ScoutStream, skip: dict, blocker: Blocker, report: PreloadReport,
+                  started: bool) -> bool:
+    """What a scout found about its entry, acted on: False when the entry must not be
+    imported. ``started``: the zygote is inside the entry's import already (it cannot take
+    back what it imported: an entry to quarantine, or a culprit it entered, raises ``Abandon``,
+    for a restart without it)."""
+    if stream.verdict is not None:  # it crashed the scout
+        key, verdict = stream.module, stream.verdict
+    else:
+        scouted = EntryReport(**stream.report) if stream.report else None
+        # A culprit behind a package another entry's scout had deferred is blocked already.
+        if scouted is None or not is_dirty(scouted) or scouted.deferrable in blocker.packages:
+            return True
+        key, verdict = verdict_key(scouted, skip)
+    skip[key] = report.found[key] = verdict
+    if key.startswith(DEFER) and key[len(DEFER):] not in sys.modules:
+        blocker.packages.add(key[len(DEFER):])
+        return True
+    if started:
+        raise Abandon(key, verdict)
+    report.quarantined[stream.module] = verdict
+    return False
 
 
 def _quarantined(module: str, quarantined: dict) -> bool:
@@ -291,15 +314,15 @@ def unguarded_verdict(entry: EntryReport, skip: dict) -> dict:
 
 
 def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
-                    keep_going: Callable[[], bool] = lambda: True
-                    ) -> tuple[dict, Optional[EntryReport]]:
+                    keep_going: Callable[[], bool] = lambda: True,
+                    blocker: Optional[Blocker] = None) -> tuple[dict, Optional[EntryReport]]:
     """Import learned modules until the time budget is spent or ``keep_going()`` says stop;
-    stop at the first dirty one.
+    stop at the first dirty one. One that tries a deferred package is not kept (``blocker``).
 
     Returns a summary (with each module's cost) and, when one made the process unfit to fork,
     its report."""
     summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
-               "costs": {}}
+               "costs": {}, "guards_deferred": [], "failed_modules": [], "unlearnable": {}}
     start = time.perf_counter()
     dirty = None
     with cuda_safe_imports():
@@ -313,14 +336,41 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
             if not keep_going():
                 summary["interrupted"] = True
                 break
-            entry = import_entry(module, probe)
-            summary["loaded" if entry.ok else "failed"] += 1
-            summary["costs"][module] = entry.seconds
+            blocked_before = len(blocker.stacks) if blocker is not None else 0
+            before = set(sys.modules)
+            with learn.ImportEffects() as effects:
+                entry = import_entry(module, probe)
             if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
                 dirty = entry
                 break
+            if blocker is not None and unimport_blocked(blocker, blocked_before, module):
+                summary["guards_deferred"].append(module)
+                continue
+            if effects.describe():  # the step's own import must warn or print, not ours
+                learn.undo_import(before)
+                summary["unlearnable"][module] = effects.describe()
+                continue
+            summary["loaded" if entry.ok else "failed"] += 1
+            summary["costs"][module] = entry.seconds
+            if not entry.ok:
+                summary["failed_modules"].append(module)
     summary["seconds"] = round(time.perf_counter() - start, 3)
     return summary, dirty
+
+
+def unimport_blocked(blocker: Blocker, blocked_before: int, module: str) -> bool:
+    """A learned module whose import tried a deferred package (``try: import fakegeo / except
+    ImportError: HAVE_GEO = False``) would keep what the block made of it in every step: the
+    modules on the way to the blocked import that this import loaded are taken out of
+    ``sys.modules`` again, so steps import them fresh. True if there were any."""
+    stacks = blocker.stacks[blocked_before:]
+    if not stacks:
+        return False
+    del blocker.stacks[blocked_before:]  # no cut to replay: the step imports them itself
+    on_the_way = {frame.module for _, _, frames in stacks for frame in frames if frame.is_module}
+    for name in on_the_way | {module}:
+        sys.modules.pop(name, None)
+    return True
 
 
 def verdict_for(entry: EntryReport) -> dict:
@@ -347,64 +397,6 @@ def verdict_key(entry: EntryReport, skip: dict) -> tuple[str, dict]:
     return entry.module, verdict
 
 
-class Scouts:
-    """On a package set seen for the first time, one forked child per entry imports that entry
-    alone and reports what it did, while the zygote imports the entries before it. The zygote
-    then reads an entry's report before importing it, defers or quarantines a culprit it names,
-    and never imports the culprit itself: finding it costs no restart."""
-
-    TIMEOUT_S = 300.0  # a scout that says nothing for this long is killed, and not waited for
-
-    def __init__(self, modules: list[str], probe: DriverProbe, blocker: Blocker) -> None:
-        self.pending: dict[str, tuple[int, int]] = {}  # module -> (pid, report fd)
-        for module in modules:
-            report_r, report_w = os.pipe()
-
-            def scout(module=module, report_r=report_r, report_w=report_w) -> int:
-                os.close(report_r)
-                runtime.die_with_parent()
-                entry = import_entry(module, probe, blocker)
-                os.write(report_w, json.dumps(asdict(entry)).encode())
-                return 0
-
-            pid = runtime.fork(scout)
-            os.close(report_w)
-            self.pending[module] = (pid, report_r)
-
-    def report(self, module: str) -> Optional[EntryReport]:
-        """The scout's report on ``module`` (waiting for it), or None without one."""
-        if module not in self.pending:
-            return None
-        pid, report_r = self.pending.pop(module)
-        chunks = []
-        deadline = time.monotonic() + self.TIMEOUT_S
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([report_r], [], [], left)[0]:
-                break  # timed out
-            chunk = os.read(report_r, 1 << 16)
-            if not chunk:
-                break  # EOF: the scout is done
-            chunks.append(chunk)
-        data = b"".join(chunks)
-        self._end(pid, report_r)
-        try:
-            return EntryReport(**json.loads(data))
-        except (ValueError, TypeError):
-            return None  # it crashed or timed out: the zygote finds out for itself
-
-    def close(self) -> None:
-        for pid, report_r in self.pending.values():
-            self._end(pid, report_r)
-        self.pending.clear()
-
-    @staticmethod
-    def _end(pid: int, report_r: int) -> None:
-        os.close(report_r)
-        runtime.signal_group(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-
-
 # ---------------------------------------------------------------- the zygote's preload
 
 class Quarantined(Exception):
@@ -427,6 +419,8 @@ class Preloader:
         self.probe = probe
         self.fingerprint = package_fingerprint()
         self.cache = VerdictCache(config.cache_dir, f"{self.fingerprint}-{probe.name}")
+        for key, crashed in collect_crashes(config.cache_dir).items():  # an earlier zygote's
+            VerdictCache(config.cache_dir, key).update(crashed)
         # Culprits show only where a driver can be initialised (or in tests, the fake one).
         self.scouting = probe.name == "fake" or nvml_device_count() > 0
         self.scouted: set[str] = set()  # entries known to import cleanly (known_verdicts)
@@ -475,12 +469,15 @@ class Preloader:
         imports read (a zygote serves only steps that agree on them) and which they set."""
         start_env = dict(os.environ)
         with threads.preload_limits(), recording_env_reads() as keys:
+            guard = CrashGuard(self.config.cache_dir, self.cache.fingerprint, known=self.scouted)
             report = preload(self.config.modules, self.probe, self.skip, self.blocker,
-                             self.should_scout, self.log)
+                             self.should_scout, self.log, guard)
             found = {**report.found, **{k: v for k, v in report.quarantined.items()
                                         if k not in self.skip}}  # unguarded, found just now
             found.update({SCOUTED + e.module: {} for e in report.entries if e.ok and not is_dirty(e)})
             self.cache.update(found)
+            if report.abandoned:  # a scout's verdict came while the zygote was in the entry
+                raise Quarantined(self.skip, report.abandoned)
             if report.dirty_entry:
                 self.quarantine(report.entries[-1], report.dirty_entry)
             if self.config.learn:
@@ -544,15 +541,25 @@ class Preloader:
         """Import the learned modules this process lacks while ``keep_going()`` and the budget
         (for the zygote's whole life) allow; raises ``Quarantined`` for a dirty one. The profile
         is saved when ``changed`` or when something was imported."""
-        modules = [m for m in self.profile.to_preload(exclude=set(self.config.modules))
+        if changed:  # not rewritten after every step for nothing
+            self.profile.save()  # which also takes in what others wrote (`learned --forget`)
+        exclude = set(self.config.modules) | set(self.profile.data["guards_deferred"])
+        modules = [m for m in self.profile.to_preload(exclude=exclude)
                    if top_level(m) not in self.refused | self.blocker.packages]
         budget = self.config.learn_budget_s - self.learn_spent_s
-        summary, dirty = preload_learned(modules, self.probe, budget, keep_going)
+        summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker)
+        self.profile.leave_to_steps(summary["guards_deferred"])  # not tried again later
+        failed = summary.pop("failed_modules")
+        for module in failed:  # what the zygote cannot import goes
+            self.profile.drop(module)
         self.learn_spent_s += summary["seconds"]
         summary["imported"] = len(summary["costs"])
         for module, seconds in summary.pop("costs").items():
             self.profile.record_cost(module, seconds)
-        if changed or summary["imported"]:  # not rewritten after every step for nothing
+        for module, why in summary["unlearnable"].items():
+            self.log("not learning %s: it %s", module, why)
+            self.profile.refuse(module, why)
+        if summary["imported"] or summary["unlearnable"] or summary["guards_deferred"] or failed:
             self.profile.save()
         if dirty is not None:
             self.quarantine(dirty, LEARNED + top_level(dirty.module))
@@ -599,35 +606,3 @@ def skip_exit_only_finalizers() -> int:
             finalizer.atexit = False
             skipped += 1
     return skipped
-
-
-class StalenessWatch:
-    """Notices edits to preloaded modules outside site-packages and package installs/removals.
-
-    Local source files are compared by mtime; installed packages through the mtime of each
-    site-packages directory (an install or uninstall adds or removes entries there)."""
-
-    def __init__(self) -> None:
-        import site
-        import sysconfig
-        dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-        dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
-        self.site_dirs = {d: _mtime(d) for d in dirs if os.path.isdir(d)}
-        roots = tuple(os.path.join(os.path.realpath(d), "") for d in self.site_dirs)
-        self.local_files: dict[str, int] = {}
-        for module in list(sys.modules.values()):
-            path = getattr(module, "__file__", None)
-            if path and os.path.isfile(path) and not os.path.realpath(path).startswith(roots):
-                self.local_files[path] = _mtime(path)
-
-    def changes(self) -> list[str]:
-        changed = [p for p, t in self.local_files.items() if _mtime(p) != t]
-        changed += [f"packages in {d}" for d, t in self.site_dirs.items() if _mtime(d) != t]
-        return changed
-
-
-def _mtime(path: str) -> int:
-    try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return -1

@@ -13,7 +13,8 @@ import signal
 import socket
 from typing import Callable, Mapping, Optional
 
-from . import agent, cuda, protocol, runtime, step
+from . import cuda, protocol, runtime, step
+from .ranks import fork_waiting_ranks, release_ranks
 
 __all__ = ["WarmPool", "cuda_env"]
 
@@ -44,7 +45,7 @@ def wait_as_warm_agent(sock: socket.socket, state: runtime.ZygoteState, nproc: i
     """Fork ``nproc`` ranks that make their CUDA contexts now, then wait for one torchrun step;
     ranks that do not fit it are released."""
     runtime.die_with_parent()
-    ranks = agent.fork_waiting_ranks(nproc, state, warm_cuda=True, close_fds=(sock.fileno(),))
+    ranks = fork_waiting_ranks(nproc, state, warm_cuda=True, close_fds=(sock.fileno(),))
     return become_handed_step(sock, state, ranks)
 
 
@@ -55,7 +56,7 @@ def become_handed_step(sock: socket.socket, state: runtime.ZygoteState,
     try:
         spec, fds = protocol.recv_request_blocking(sock)
     except (OSError, ValueError):
-        agent.release_ranks(warm_ranks or {})
+        release_ranks(warm_ranks or {})
         return 0
     *step_fds, conn_fd = fds
     state.zygote_fds = [sock.fileno()]  # closed by the step's set-up

@@ -34,7 +34,7 @@ import socket
 import struct
 
 __all__ = ["MAX_FRAME", "OPS", "EVENTS", "ProtocolError", "send_request", "recv_request",
-           "recv_request_blocking", "send_event", "send_op", "EventReader", "drain"]
+           "recv_request_blocking", "send_event", "send_op", "EventReader", "drain", "peer_uid"]
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 256 * 1024 * 1024  # argv + env; far above what exec() itself accepts
@@ -47,6 +47,13 @@ EVENTS = {"started": ("pid",), "exec": ("t",),
           "error": ("type", "errno", "strerror", "filename"),
           "fallback": ("reason",), "exit": ("returncode",), "status": ("pid",),
           "stopping": ("pid",), "refused": ("reason",), "granted": ("gpus", "waited_s")}
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (as the kernel saw it connect
+    or listen): both ends check it is their own."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
 class ProtocolError(ValueError):

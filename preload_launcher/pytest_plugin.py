@@ -1,5 +1,5 @@
-"""pytest plugin: one zygote per session, started while tests are collected; under xdist the
-controller starts it (or finds a running daemon for the preload set) and every worker uses it.
+"""pytest plugin: one zygote per session, started before the suite's conftests load (its
+preload overlaps their imports and the collection); under xdist the controller starts it (or finds a running daemon for the preload set) and every worker uses it.
 
 Enabled by default once installed; per CI lane: ``PRELOAD_LAUNCHER=0|1`` (wins), then
 ``--preload-launcher/--no-preload-launcher``. Preload set: ``PRELOAD_LAUNCHER_MODULES`` (wins),
@@ -16,6 +16,7 @@ import pytest
 
 from . import client, daemon, settings
 from .reporting import format_deferred, format_learned, preload_problems
+from .result import LauncherError
 
 PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"
 MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
@@ -41,17 +42,47 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("preload_launcher_gpus", GPUS_DESC, default=None)
 
 
-def resolve_enabled(config: pytest.Config) -> bool:
+def resolve_enabled(config: pytest.Config, option: Optional[bool] = None) -> bool:
     """env > CLI > default (on)."""
     toggle = settings.Settings.from_env().toggle
     if toggle is not None:
         return toggle
-    option = config.getoption("preload_launcher")
+    if option is None:
+        option = config.getoption("preload_launcher")
     return True if option is None else bool(option)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> None:
+    """Start the session's zygote as early as pytest lets a plugin: before the suite's own
+    conftests import torch & co, so the preload overlaps their imports and the collection.
+    An xdist worker waits for its configuration: it uses its controller's zygote."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        return
+    known = early_config.known_args_namespace
+    if getattr(known, "help", False) or getattr(known, "version", False):
+        return
+    start_session_launcher(early_config, getattr(known, "preload_launcher", None),
+                           bool(getattr(known, "collectonly", False)))
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    enabled = resolve_enabled(config)
+    if launcher_key not in config.stash:  # not started early (an xdist worker, --help)
+        start_session_launcher(config, config.getoption("preload_launcher"),
+                               config.option.collectonly)
+
+
+def start_session_launcher(config: pytest.Config, option: Optional[bool],
+                           collect_only: bool) -> None:
+    try:
+        _start_session_launcher(config, option, collect_only)
+    except settings.SettingsError as err:  # a bad variable or ini value: pytest's usage error
+        raise pytest.UsageError(str(err)) from None
+
+
+def _start_session_launcher(config: pytest.Config, option: Optional[bool],
+                            collect_only: bool) -> None:
+    enabled = resolve_enabled(config, option)
     if not enabled:
         os.environ["PRELOAD_LAUNCHER"] = "0"  # so preload_launcher.run() in tests agrees
         config.stash[launcher_key] = None
@@ -72,16 +103,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[started_key] = time.monotonic()
     if shared:
         config.stash[shared_key] = shared
-    elif worker is not None or not config.option.collectonly:
+    elif worker is not None or not collect_only:
         # Its preload overlaps collection; under xdist, the workers' steps all go to it.
-        config.stash[shared_key] = launcher.prestart().socket_path
+        try:
+            config.stash[shared_key] = launcher.prestart().socket_path
+        except (LauncherError, OSError):  # no private directory: each run() says why it ran
+            pass                           # as a plain process; the session goes on
 
 
 def _matching_daemon(modules) -> str:
     """The socket of a running ``serve`` daemon for this preload set and environment, or ""."""
     try:
         zygote, _ = daemon.find_daemon(modules)
-    except OSError:
+    except (LauncherError, OSError):
         return ""
     return zygote.socket_path if zygote is not None and zygote.matches(os.environ) else ""
 

@@ -72,9 +72,10 @@ def format_deferred(deferred: dict, indent: str = "") -> list[str]:
                      f"{' -> '.join(info['chain'])}; {info.get('entry', 'its importer')} stays "
                      "preloaded")
         for cut in info.get("cut", []):
-            names = ", ".join(cut["fromlist"]) or "(module)"
-            lines.append(f"{indent}  replayed in steps: from {cut['module']} import {names} "
-                         f"(in {cut['importer']})")
+            names = ", ".join(cut["fromlist"])
+            what = f"from {cut['module']} import *" if names == "*" else f"import {cut['module']}"
+            lines.append(f"{indent}  replayed in steps: {what} (in {cut['importer']})"
+                         + (f", binding {names}" if names and names != "*" else ""))
     return lines
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 from typing import Optional
 
-__all__ = ["StepResult", "LauncherError"]
+__all__ = ["StepResult", "LauncherError", "ZygoteDied"]
 
 
 class StepResult(subprocess.CompletedProcess):
@@ -37,3 +37,11 @@ class StepResult(subprocess.CompletedProcess):
 
 class LauncherError(RuntimeError):
     """The launcher itself failed (zygote died, protocol fault); the step's fate is unknown."""
+
+
+class ZygoteDied(LauncherError):
+    """The zygote ended (stopped, killed) while it ran a step; the step was killed with it."""
+
+    def __init__(self, pid, args, output: str) -> None:
+        super().__init__(f"zygote {pid} died while running {args!r}; output so far:\n{output}")
+        self.pid = pid

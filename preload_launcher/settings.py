@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
+from .rundir import private_runtime_dir
+
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "SettingsError", "ZygoteConfig",
            "parse_bool", "preload_modules", "preload_source", "runtime_dir", "QUARANTINE_ENV",
            "RESTARTED_ENV", "PER_TEST_ENV", "THREAD_ENV"]
@@ -223,13 +225,10 @@ def import_env_mismatch(import_env: Mapping[str, Optional[str]],
 
 
 def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:
-    """A per-user directory (mode 0700) for sockets and logs."""
-    path = os.path.join(Settings.from_env(environ).runtime_base, f"preload_launcher-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0700")
-    return path
+    """This user's private directory (mode 0700) for sockets and logs, verified without
+    following links (``rundir``); raises ``rundir.NoPrivateDirectory`` when there is none."""
+    s = Settings.from_env(environ)
+    return private_runtime_dir(s.runtime_base, s.cache_dir)
 
 
 @dataclass
@@ -252,6 +251,7 @@ class ZygoteConfig:
     idle_timeout_s: float = 0.0  # a daemon stops after this long without a request (0: never)
     gpus: list = field(default_factory=list)  # GPU packing's pool ([] = off)
     gpus_visible: Optional[str] = None  # the starter's CUDA_VISIBLE_DEVICES
+    lock_fd: int = -1  # a daemon's lock (files.lock_file), held for its life (-1: none)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -30,6 +30,7 @@ import types
 if __name__ != "__main__":  # imported by the launcher; the written executable embeds protocol
     from . import protocol
     from .files import zygote_files
+    from .rundir import owned_privately
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -63,18 +64,27 @@ def install(socket_path: str) -> str:
         f.write(f"{shebang}SOCKET = {socket_path!r}\nPROTOCOL_SOURCE = {protocol_source!r}\n"
                 + source)
     os.replace(tmp, path)  # a step never runs a half-written stand-in
-    return path
+    return path if trusted(path) else ""
 
 
 def installed(socket_path: str) -> str:
-    """The stand-in program installed for the zygote at ``socket_path``, or "" when none is."""
+    """The stand-in program installed for the zygote at ``socket_path``, or "" when none is
+    (or when it is not one we may trust)."""
     program = os.path.join(zygote_files(socket_path)["standins"], PROGRAM)
-    return program if os.access(program, os.X_OK) else ""
+    return program if os.access(program, os.X_OK) and trusted(program) else ""
+
+
+def trusted(program: str) -> bool:
+    """Whether ``program`` may stand in for a step's interpreters: it, its directory and the
+    runtime directory holding that are ours, and no one else can write to them."""
+    directory = os.path.dirname(program)
+    return all(owned_privately(p) for p in (program, directory, os.path.dirname(directory)))
 
 
 def path_entry(directory: str, names: list) -> str:
     """A directory holding stand-ins for exactly ``names`` (links to the installed program),
-    made once per set of names: a step's ``command -v`` finds only what its PATH has."""
+    made once per set of names: a step's ``command -v`` finds only what its PATH has; ""
+    when the one there is not ours alone."""
     mask = sum(1 << i for i, name in enumerate(nested_names()) if name in names)
     entry = os.path.join(directory, format(mask, "x"))
     if not os.path.isdir(entry):
@@ -88,7 +98,7 @@ def path_entry(directory: str, names: list) -> str:
             for name in names:
                 os.unlink(os.path.join(tmp, name))
             os.rmdir(tmp)
-    return entry
+    return entry if owned_privately(entry) else ""
 
 
 # ---------------------------------------------------------------- the stand-in's side
@@ -175,6 +185,8 @@ def main(socket_path: str) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(socket_path)
+        if protocol.peer_uid(sock) != os.getuid():  # not our zygote: never tell it anything
+            raise ConnectionRefusedError(socket_path)
         protocol.send_request(sock, {"op": "step", "spec": invocation.request(fds)}, [0, 1, 2, *fds])
     except OSError:
         sock.close()

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from typing import Iterator, Mapping, Optional
 
-from .files import read_json, write_json
+from .files import read_json, save_json
 from .settings import THREAD_ENV
 
 __all__ = ["THREAD_ENV", "pin_for_preload", "preload_limits", "FreshCounts", "apply_fresh_counts",
@@ -102,10 +102,7 @@ class FreshCounts:
             self.ask_ahead(env)
             out, _ = self.probes.pop(key).communicate(timeout=120)
             self.known[key] = [int(n) for n in out.split()[-2:]]
-            try:
-                write_json(self.path, {k: v for k, v in self.known.items() if k != key_of({})})
-            except OSError:
-                pass
+            save_json(self.path, {k: v for k, v in self.known.items() if k != key_of({})})
         return self.known[key]
 
     def table_for(self, env: Mapping[str, str], multi_rank: bool) -> dict[str, list[int]]:

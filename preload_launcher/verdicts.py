@@ -8,17 +8,14 @@ known to import cleanly); one file, holding only the current package set's verdi
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import sys
 from typing import Optional
 
-from .files import read_json, write_json
+from .files import read_json, update_json
 from .identity import interpreter_identity
 
 __all__ = ["VerdictCache", "package_fingerprint", "LEARNED", "DEFER", "SCOUTED"]
-
-log = logging.getLogger(__name__)
 
 LEARNED = "learned:"  # verdict-cache prefix for learned packages
 DEFER = "defer:"  # verdict-cache prefix for deferred packages
@@ -51,9 +48,12 @@ class VerdictCache:
     def update(self, verdicts: dict[str, dict]) -> None:
         if not verdicts:
             return
-        # Only the current package set's verdicts are worth keeping: versions changed otherwise.
-        data = {self.fingerprint: {**self.get(), **verdicts}}
-        try:
-            write_json(self.path, data)
-        except OSError as err:
-            log.warning("cannot write verdict cache %s: %s", self.path, err)
+
+        def change(data: dict) -> None:
+            # Only the current package set's verdicts are worth keeping: versions changed
+            # otherwise. Read under the lock: another zygote's verdicts of this set are kept.
+            current = {**data.get(self.fingerprint, {}), **verdicts}
+            data.clear()
+            data[self.fingerprint] = current
+
+        update_json(self.path, change)  # a read-only or full cache: warned once, not fatal

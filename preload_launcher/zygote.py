@@ -13,7 +13,6 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 from typing import Optional
@@ -24,6 +23,7 @@ from .files import read_json, remove_all, zygote_files
 from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
                       hint_holds)
 from .prewarm import WarmPool
+from .running import Step
 from .settings import (QUARANTINE_ENV, RESTARTED_ENV, Settings, ZygoteConfig,
                        import_env_mismatch)
 
@@ -37,15 +37,6 @@ def say(fmt: str, *args) -> None:
     inherit it, and a fresh interpreter has no handlers."""
     print(time.strftime("%H:%M:%S"), f"zygote[{os.getpid()}]", fmt % args, file=sys.stderr,
           flush=True)
-
-
-class Step:
-    """A running step as the zygote sees it: its process and its caller's connection."""
-
-    def __init__(self, pid: int, conn: socket.socket) -> None:
-        self.pid = pid
-        self.conn = conn
-        self.reader = protocol.EventReader()
 
 
 class Zygote:
@@ -103,7 +94,7 @@ class Zygote:
 
     def reexec(self) -> None:
         """Re-execute: the pid, socket and pipes survive, the preloaded image does not."""
-        fds = [self.config.listen_fd, self.config.alive_fd]
+        fds = [self.config.listen_fd, self.config.alive_fd, self.config.lock_fd]
         if self.announced:
             os.environ[RESTARTED_ENV] = "1"  # the new image must not announce again
         else:
@@ -172,6 +163,8 @@ class Zygote:
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("SIGTERM"))
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the steps
         self.own_fds = [self.listener.fileno(), sig_r, sig_w, self.selector.fileno()]
+        if self.config.lock_fd >= 0:  # held for life; never by a child
+            self.own_fds.append(self.config.lock_fd)
         if self.config.alive_fd >= 0:
             self.own_fds.append(self.config.alive_fd)
             self.selector.register(self.config.alive_fd, selectors.EVENT_READ, "alive")
@@ -251,9 +244,12 @@ class Zygote:
 
     def remove_files(self) -> None:
         """A zygote that stopped as asked (or because its starter went away) leaves nothing
-        behind: its socket, spawn proxy and log, and a daemon's metadata while it names us."""
+        behind: its socket, spawn proxy and log, and a daemon's metadata and lock while it
+        holds the lock (no other daemon of its name can have started: the files are its own;
+        the lock file goes last, while still held)."""
         files = zygote_files(self.config.socket_path)
-        if not self.config.daemon or (read_json(files["meta"]) or {}).get("pid") == os.getpid():
+        if not self.config.daemon or self.config.lock_fd >= 0 or \
+                (read_json(files["meta"]) or {}).get("pid") == os.getpid():
             remove_all(*files.values())
 
     def idle_left(self) -> Optional[float]:
@@ -273,7 +269,7 @@ class Zygote:
         except OSError:
             return
         try:
-            if not _peer_is_same_user(conn):
+            if protocol.peer_uid(conn) != os.getuid():
                 say("refused a connection from another uid")
                 protocol.send_event(conn, "refused", reason="peer uid differs")
                 conn.close()
@@ -342,7 +338,7 @@ class Zygote:
             pid = runtime.fork(lambda: step.become_step(spec, fds, conn.fileno(), state))
         runtime.close_fds(fds)
         self.served += 1
-        self.steps[pid] = Step(pid, conn)
+        self.steps[pid] = Step(pid, conn, standin=bool(spec.get("nested") or spec.get("spawned")))
         protocol.send_event(conn, "started", pid=pid)
         conn.setblocking(False)
         self.selector.register(conn, selectors.EVENT_READ, self.steps[pid])
@@ -389,7 +385,7 @@ class Zygote:
         differs = import_env_mismatch(self.report.import_env if self.report else {}, spec["env"])
         if differs:
             return f"its environment differs from the preload's in {', '.join(differs[:3])}"
-        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"]}
+        return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"], "nested": True}
 
     def check_staleness(self) -> None:
         """A daemon whose preloaded code or packages changed restarts once idle."""
@@ -442,12 +438,12 @@ class Zygote:
         if messages is None:
             # The caller is gone (killed, timed out with os._exit) or talks nonsense: the
             # step goes too.
-            runtime.signal_group(running.pid, signal.SIGKILL)
+            running.signal(signal.SIGKILL)
             self.selector.unregister(running.conn)
             return
         for message in messages:
             if message.get("op") == "signal":
-                runtime.signal_group(running.pid, int(message["signum"]))
+                running.signal(int(message["signum"]))
 
     def reap(self) -> None:
         while True:
@@ -458,7 +454,8 @@ class Zygote:
             if info is None:
                 break
             # The leader is a zombie: its group cannot be recycled yet, so this is safe.
-            runtime.signal_group(info.si_pid, signal.SIGKILL)
+            if not getattr(self.steps.get(info.si_pid), "standin", False):
+                runtime.signal_group(info.si_pid, signal.SIGKILL)
             _, status = os.waitpid(info.si_pid, 0)
             if self.warm:
                 self.warm.reaped(info.si_pid)
@@ -493,12 +490,6 @@ class Zygote:
 def _send_error(conn: socket.socket, message: str) -> None:
     protocol.send_event(conn, "error", type="LauncherError", errno=None, strerror=message,
                         filename=None)
-
-
-def _peer_is_same_user(conn: socket.socket) -> bool:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid()
 
 
 def main(config_json: str, base_path: list[str]) -> None:

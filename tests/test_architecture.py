@@ -52,7 +52,7 @@ def test_a_run_without_a_daemon_loads_neither_the_client_nor_the_zygote_side():
     """The console script's import path and `run`'s own, before it knows a zygote is needed."""
     loaded = loaded_by("import preload_launcher.cli, preload_launcher.cli_run")
     assert loaded == {"cli", "cli_run", "daemon_files", "files", "identity", "reporting",
-                      "settings"}, loaded
+                      "result", "rundir", "settings"}, loaded
 
 
 def test_no_import_cycles_and_no_function_level_package_imports():

@@ -77,7 +77,7 @@ def test_failing_rank_is_reported_with_its_code(torch_launcher, tmp_path):
                       "import time; time.sleep(600)\n")
     # Rank 0 would sleep far past the timeout: the step ends only if it is stopped.
     result = torch_launcher.run([TORCHRUN, "--nproc_per_node=2", str(script)], timeout=120)
-    assert result.returncode == 7, result.stdout
+    assert result.returncode == 1, result.stdout  # torchrun exits 1; the rank's code is reported
     assert "exitcode  : 7" in result.stdout
 
 

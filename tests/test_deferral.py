@@ -95,7 +95,8 @@ def test_a_guarded_culprit_is_deferred_and_its_entry_preloaded(site):
         assert deferred["chain"][0] == "fakeopt" and "fakeopt.plugins.geo" in deferred["chain"]
         assert deferred["culprit"].startswith("fakegeo") and deferred["entry"] == "fakeopt"
         assert deferred["cut"] == [{"importer": "fakeopt.plugins", "module": "fakeopt.plugins.geo",
-                                    "fromlist": ["*"]}]
+                                    "fromlist": ["*"], "binds": [["*", "fakeopt.plugins.geo"]],
+                                    "guard": {"swallows": ["builtins.ModuleNotFoundError"]}}]
         assert not status(launcher)["driver_initialized"]
         # A scout found the culprit: the zygote never imported it, nor restarted.
         assert log_text(launcher).count("restarting without it") == 0

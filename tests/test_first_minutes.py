@@ -124,6 +124,16 @@ def test_a_bad_setting_is_one_line_and_exit_2_from_every_verb(env, tmp_path, var
         Settings.from_env({variable: value})
 
 
+def test_a_bad_setting_is_a_usage_error_of_a_pytest_session(pytester, monkeypatch):
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    monkeypatch.setenv("PRELOAD_LAUNCHER", "maybe")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = result.stderr.str()
+    assert "PRELOAD_LAUNCHER environment variable" in errors and "Traceback" not in errors
+    assert "INTERNALERROR" not in result.stdout.str() + errors
+
+
 # ---------------------------------------------------------------- modules that cannot be imported
 
 def test_run_v_reports_a_named_module_that_cannot_be_imported(env):

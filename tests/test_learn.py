@@ -16,14 +16,16 @@ def learn_site(tmp_path):
     log = tmp_path / "imports.log"
     for name in ("slow_a", "slow_b"):
         (site / f"{name}.py").write_text(
-            f"import time\nopen({str(log)!r}, 'a').write('{name}\\n')\ntime.sleep(0.5)\n")
+            f"import time\nwith open({str(log)!r}, 'a') as f: f.write('{name}\\n')\n"
+            "time.sleep(0.5)\n")  # (closed: an unclosed file warns, and is never learned)
     (site / "dirty_learned.py").write_text(
-        f"open({str(log)!r}, 'a').write('dirty_learned\\n')\n"
+        f"with open({str(log)!r}, 'a') as f: f.write('dirty_learned\\n')\n"
         "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n")
     package = site / "dirtypkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "clean.py").write_text(f"open({str(log)!r}, 'a').write('dirtypkg.clean\\n')\n")
+    (package / "clean.py").write_text(
+        f"with open({str(log)!r}, 'a') as f: f.write('dirtypkg.clean\\n')\n")
     (package / "dirty.py").write_text(
         "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n")
     dist = site / "learnpkg-1.0.dist-info"
@@ -167,3 +169,48 @@ def test_idle_learning_serves_a_later_step_of_the_same_session(learn_site):
         assert log.read_text().count("slow_b") == 2  # second step, which found both preloaded
     finally:
         launcher.close()
+
+
+def test_a_module_whose_import_warns_or_prints_is_never_learned(tmp_path):
+    """Differential: `-W error::DeprecationWarning` fails on the import as in a fresh
+    interpreter, and the import's output is printed by the step, after the zygote learned."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "warns_mod.py").write_text("import warnings\nwarnings.warn('old', DeprecationWarning)\n")
+    (site / "chatty.py").write_text("print('hello from chatty')\n")
+    (site / "quiet_mod.py").write_text("X = 1\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("PRELOAD_LAUNCHER_LEARN", None)
+    strict = [PY, "-W", "error::DeprecationWarning", "-c", "import warns_mod"]
+    from conftest import plain
+    launcher = Launcher(["json"], project=str(project))
+    try:
+        launcher.run([PY, "-c", "import warns_mod, chatty, quiet_mod"], env=env, cwd=str(project))
+        from preload_launcher import learn
+        deadline = time.monotonic() + 60
+        while True:  # the zygote learns while idle: quiet_mod comes last, in the same pass
+            data = learn.Profile(str(tmp_path / "cache"), learn.profile_key(str(project)),
+                                 str(project)).data
+            if data["modules"].get("quiet_mod", {}).get("seconds") is not None:
+                break
+            assert time.monotonic() < deadline, "the zygote never learned quiet_mod"
+            time.sleep(0.1)
+        for args in (strict, [PY, "-c", "import chatty"]):
+            fresh = plain(args, env=env, cwd=str(project))
+            forked = launcher.run(args, env=env, cwd=str(project))
+            assert forked.via == "zygote"
+            assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout)
+        assert fresh.stdout == "hello from chatty\n"
+        assert set(data["unlearnable"]) == {"warns_mod", "chatty"}
+    finally:
+        launcher.close()
+    # The next zygote does not preload them either.
+    again = Launcher(["json"], project=str(project))
+    try:
+        fresh, forked = plain(strict, env=env, cwd=str(project)), again.run(strict, env=env,
+                                                                             cwd=str(project))
+        assert fresh.returncode == forked.returncode == 1 and forked.via == "zygote"
+    finally:
+        again.close()

@@ -102,7 +102,7 @@ def test_sigkilled_rank_stops_its_sibling(torch_launcher, tmp_path):
     script.write_text(code)
     # Rank 1 would sleep far past the timeout: the step ends only if it is stopped.
     got = torch_launcher.run([TORCHRUN, "--nproc_per_node=2", str(script)], timeout=120)
-    assert got.returncode == -9
+    assert got.returncode == 1  # torchrun's exit status; the rank's code is in its report
     assert "Signal 9 (SIGKILL) received by PID" in got.stdout
 
 

@@ -180,3 +180,25 @@ def test_the_summary_counts_interpreters_a_shell_step_started(pytester):
     result.stdout.fnmatch_lines(["*steps via zygote: 0 (* s in them), via subprocess: 1 (* s)*",
                                  "*interpreters those subprocesses started, forked by the zygote: 2 "
                                  "(python/torchrun/accelerate stand-ins on the PATH of 1 step)*"])
+
+
+def test_the_zygote_starts_before_the_suites_conftests_load(pytester):
+    """Its preload overlaps the conftests' own imports (torch, transformers, ...) and the
+    collection, instead of starting after them."""
+    pytester.makeconftest("""
+        from preload_launcher import client
+        launcher = client._session_launcher
+        STARTED = launcher is not None and [z.process.poll() for z in launcher.zygotes] == [None]
+    """)
+    pytester.makepyfile(test_early="""
+        import sys
+        from conftest import STARTED
+
+        def test_early(preload_launcher):
+            print("STARTED", STARTED)
+            assert preload_launcher.run([sys.executable, "-c", "pass"]).via == "zygote"
+    """)
+    result = runpytest(pytester)
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*STARTED True*"])
+    assert "zygotes started: 1" in result.stdout.str()

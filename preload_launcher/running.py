@@ -1,0 +1,31 @@
+"""A running step as the zygote sees it, and how a signal for it is delivered."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from . import protocol, runtime
+
+__all__ = ["Step"]
+
+
+class Step:
+    """A running step as the zygote sees it: its process and its caller's connection.
+    ``standin``: a program a stand-in asked for owns what the real one would: a signal is its
+    own, and the processes it leaves behind live on; other steps' groups go with them."""
+
+    def __init__(self, pid: int, conn: socket.socket, standin: bool = False) -> None:
+        self.pid = pid
+        self.conn = conn
+        self.standin = standin
+        self.reader = protocol.EventReader()
+
+    def signal(self, signum: int) -> None:
+        if not self.standin:
+            runtime.signal_group(self.pid, signum)
+            return
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
