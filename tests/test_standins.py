@@ -282,7 +282,9 @@ def signal_outcome(output):
 
 
 @pytest.mark.parametrize("processes", [["--num_processes", "1"],
-                                       ["--multi_gpu", "--num_processes", "2"]],
+                                       # a free port: another launch may hold the default one
+                                       ["--multi_gpu", "--main_process_port", "0",
+                                        "--num_processes", "2"]],
                          ids=["one", "multi_gpu"])
 @pytest.mark.parametrize("sig, target", [("TERM", ""), ("INT", "-")], ids=["sigterm", "ctrl-c"])
 def test_a_signalled_accelerate_launch_ends_as_the_real_one(torch_launcher, tmp_path, sig, target,
