@@ -4,9 +4,10 @@ Accelerate's own code decides everything it decides for a real launch: its parse
 validation (config file, defaults, the warning about values it chose), the environment it gives
 the program. Only the processes are forked instead of started:
 
-* one process (accelerate's ``simple_launcher``): the program is forked as a child of this
-  process with accelerate's environment; a failure ends this process as accelerate ends, with
-  ``CalledProcessError`` (exit 1);
+* one process: accelerate's ``simple_launcher`` runs as is, and so do its waiting, its teeing
+  of the program's stderr, its handling of signals and failures, whichever accelerate this is;
+  only its ``Popen`` of the program forks a child of this process (``forked_popen``) instead
+  of executing a new interpreter;
 * several (``multi_gpu_launcher``): accelerate hands the launch to torchrun's ``run()``; here
   that call is served by the agent (forked sibling ranks, torchrun's environment contract).
 
@@ -19,13 +20,13 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-import subprocess
 import sys
 import time
 import traceback
 
-from . import agent, child, cuda, learn, protocol, runtime, threads
-from .command import PythonTarget, StepSpec, launcher_interpreter, parse_python_argv
+from . import agent, child, cuda, forked_popen, learn, protocol, runtime, threads
+from .command import (PythonTarget, StepSpec, Unsupported, launcher_interpreter,
+                      parse_python_argv)
 from .settings import Settings
 
 __all__ = ["run_accelerate", "unsupported_reason"]
@@ -103,32 +104,24 @@ def _serve(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int) -> int:
 
 
 def _one_process(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args) -> int:
-    """accelerate's ``simple_launcher``, with the program forked instead of started."""
+    """accelerate's own ``simple_launcher``: only the start of its program differs, forked
+    from this process (``forked_popen``) where accelerate executes a new interpreter."""
+    from accelerate.commands.launch import simple_launcher
     from accelerate.utils import prepare_simple_launcher_cmd_env
     try:
-        cmd, env = prepare_simple_launcher_cmd_env(args)
+        cmd, _ = prepare_simple_launcher_cmd_env(args)  # what simple_launcher will start
     except Exception:
-        protocol.send_event(conn_fd, "exec", t=time.time())
-        traceback.print_exc()
-        return 1
-    target = parse_python_argv(cmd)
-    if not isinstance(target, PythonTarget):
+        cmd = []  # simple_launcher raises it again, and reports it as accelerate does
+    target = parse_python_argv(cmd) if cmd else None
+    if isinstance(target, Unsupported):
         protocol.send_event(conn_fd, "fallback", reason=target.reason, retire=False)
         return 0
-    target.executable = cmd[0]
+    if target is not None:
+        target.executable = cmd[0]
     protocol.send_event(conn_fd, "exec", t=time.time())
     runtime.keep_for_exit_report(conn_fd)
-    pid = runtime.fork(lambda: _program(target, env, spec.thread_counts, state), new_group=False)
-    code, interrupted = _wait(pid)
-    if interrupted:  # Ctrl-C ended accelerate's wait: it dies of it too
-        return runtime.finish(-signal.SIGINT)
-    if code != 0:
-        if args.quiet:
-            code = 1
-        else:
-            error = subprocess.CalledProcessError(returncode=code, cmd=cmd)
-            traceback.print_exception(type(error), error, None)
-            code = 1
+    with forked_popen.forking(cmd, lambda env: _program(target, env, spec.thread_counts, state)):
+        code = _as_main(simple_launcher, args)
     return runtime.finish(code)
 
 
@@ -142,16 +135,22 @@ def _program(target: PythonTarget, env: dict, thread_counts: dict,
     return child.run_python_step(target, state, None)
 
 
-def _wait(pid: int) -> tuple[int, bool]:
-    """(the program's exit code, whether Ctrl-C ended the wait). Ctrl-C reaches the step's
-    group, the program too, and ends the wait as it ends accelerate's ``process.wait()``:
-    with a traceback."""
+def _as_main(launcher, args) -> int:
+    """Run an accelerate launcher as its command's ``main`` runs in python: the exit code is
+    ``sys.exit``'s (accelerate's own for a signal or ``--quiet``); an exception is printed,
+    from accelerate's frames on, and exits 1 (Ctrl-C: dies of SIGINT)."""
     try:
-        _, status = os.waitpid(pid, 0)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        return 1, True
-    return os.waitstatus_to_exitcode(status), False
+        launcher(args)
+        return 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ else None
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        return -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
 
 
 def _several_processes(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args) -> int:
@@ -167,21 +166,15 @@ def _several_processes(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int,
         agent.serve_launch(spec, state, conn_fd, torchrun_args, recorded=False)
 
     real_run, torchrun.run = torchrun.run, serve
-    code = 0
     try:
-        multi_gpu_launcher(args)
-    except SystemExit as exc:  # accelerate's own exit for a signal (128 + N), or --quiet
-        code = exc.code if isinstance(exc.code, int) else 1
-    except Exception:
-        if not served["launched"]:  # accelerate failed before the launch, as it would
-            protocol.send_event(conn_fd, "exec", t=time.time())
-        traceback.print_exc()
-        code = 1
+        code = _as_main(multi_gpu_launcher, args)  # its exit for a signal (128 + N), --quiet, ...
     finally:
         torchrun.run = real_run
     if not served["launched"]:
         if code == 0:
             protocol.send_event(conn_fd, "fallback", reason="accelerate did not launch",
                                 retire=False)
+        else:  # accelerate failed before the launch, as it would
+            protocol.send_event(conn_fd, "exec", t=time.time())
         return code
     return runtime.finish(code)
