@@ -103,3 +103,10 @@ def test_no_function_over_sixty_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > 60]
     assert not long, long
+
+
+def test_no_module_over_four_hundred_lines():
+    """A module one reader can hold in their head; a new responsibility gets a new module."""
+    long = {name: source.count("\n") for name, source in sources().items()
+            if source.count("\n") > 400}
+    assert not long, long
