@@ -3,7 +3,7 @@
 One selector loop and no threads: a listener, a SIGCHLD wakeup fd, the starter's "alive" pipe,
 and one connection per running step (its EOF means the caller died: the step is killed). The
 zygote decodes only the request envelope; the child decodes the step (``step.become_step``).
-Started by ``client.ZygoteProcess`` as ``python -u -c BOOTSTRAP PKG_PARENT CONFIG_JSON``.
+Started by ``zygote_handle.ZygoteProcess`` as ``python -u -c BOOTSTRAP PKG_PARENT CONFIG_JSON``.
 """
 
 from __future__ import annotations
