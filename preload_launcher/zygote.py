@@ -21,8 +21,8 @@ from . import cuda, gpus, procfs, protocol, runtime, standin, step, threads
 from .process_attrs import affinity_change
 from .command import Unsupported, parse_command
 from .files import read_json, remove_all, zygote_files
-from .preload import (Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image,
-                      hint_holds)
+from .culprits import hint_holds
+from .preload import Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image
 from .prewarm import WarmPool
 from .interpreter import import_env_mismatch
 from .running import Step

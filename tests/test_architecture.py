@@ -9,8 +9,8 @@ import sys
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "preload_launcher")
-ZYGOTE_SIDE = {"zygote", "preload", "prewarm", "step", "runtime", "child", "agent", "procfs",
-               "learn", "accelerate_launch"}
+ZYGOTE_SIDE = {"zygote", "preload", "culprits", "entries", "prewarm", "step", "runtime", "child",
+               "agent", "procfs", "learn", "accelerate_launch"}
 
 
 def sources() -> dict[str, str]:
