@@ -10,7 +10,8 @@ import sys
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "preload_launcher")
 ZYGOTE_SIDE = {"zygote", "preload", "culprits", "entries", "prewarm", "step", "runtime", "child",
-               "zygote_requests", "agent", "procfs", "learn", "accelerate_launch"}
+               "zygote_requests", "agent", "torchrun_config", "procfs", "learn",
+               "accelerate_launch"}
 
 
 def sources() -> dict[str, str]:
