@@ -1,9 +1,9 @@
 """preload_launcher: run each Python/torchrun step as a fresh child forked from a preloaded zygote.
 
-Using the package loads the caller's side only (client, command, protocol, settings), on first
-use of a name below: ``import preload_launcher.cli`` (the console script) imports none of it, so
-a one-off ``preload-launcher run`` starts fast. The zygote's modules are imported by the zygote
-process itself.
+Using the package loads the caller's side only (client, zygote_handle, command, protocol,
+settings), on first use of a name below: ``import preload_launcher.cli`` (the console script)
+imports none of it, so a one-off ``preload-launcher run`` starts fast. The zygote's modules are
+imported by the zygote process itself.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 # Each public name and the module that defines it.
 _HOMES = {"run": "client", "run_capturing": "client", "Launcher": "client",
-          "ZygoteProcess": "client", "default_launcher": "client", "StepSpec": "command",
+          "ZygoteProcess": "zygote_handle", "default_launcher": "client", "StepSpec": "command",
           "StepResult": "result", "LauncherError": "result"}
 
 

@@ -1,8 +1,8 @@
 """Stage 4b: a multi-rank step. A forked child that parses torchrun's arguments with torchrun's
-own parser, forks N sibling ranks with torchrun's environment contract, hosts the rendezvous
-store as torchrun's agent does, and supervises the ranks all-or-nothing. What torch elastic
-decides at the edges (signals, failure reports, error files) is its own code (``elastic``);
-where ranks meet and what they are given, ``rendezvous``.
+own parser (``torchrun_config``), forks N sibling ranks with torchrun's environment contract,
+hosts the rendezvous store as torchrun's agent does, and supervises the ranks all-or-nothing.
+What torch elastic decides at the edges (signals, failure reports, error files) is its own code
+(``elastic``); where ranks meet and what they are given, ``rendezvous``.
 
 The agent never touches CUDA. Ranks are forked *before* the store starts its thread, so every
 rank is forked from a single-threaded process.
@@ -18,7 +18,6 @@ import signal
 import socket
 import sys
 import time
-import uuid
 from typing import Optional
 
 from . import cuda, elastic, protocol, rendezvous, runtime
@@ -26,70 +25,9 @@ from .command import PythonTarget, StepSpec, Unsupported, launcher_interpreter, 
 from .ranks import RankHandle, fork_waiting_ranks, release_ranks
 from .settings import Settings
 from .caller_fds import open_stdio
+from .torchrun_config import configure_launch, parse_torchrun_args, unsupported_reason
 
 __all__ = ["run_agent", "serve_launch", "unsupported_reason"]
-
-
-def resolve_nproc(value: str) -> Optional[str]:
-    """``gpu``/``auto`` counted through NVML, never through a CUDA context; None if unknowable."""
-    if value not in ("gpu", "auto"):
-        return value
-    count = cuda.nvml_device_count()
-    if count > 0:
-        return str(count)
-    return str(os.cpu_count() or 1) if value == "auto" else None
-
-
-def unsupported_reason(args, config) -> str:
-    """Why torchrun itself must run this launch ('' when the agent serves it)."""
-    if (config.min_nodes, config.max_nodes) != (1, 1):
-        return f"multi-node launch (nnodes={config.min_nodes}:{config.max_nodes})"
-    if config.max_restarts:
-        return f"--max-restarts={config.max_restarts}"
-    if args.node_rank:
-        return f"--node-rank={args.node_rank}"
-    if config.rdzv_backend not in ("static", "c10d"):
-        return f"rendezvous backend {config.rdzv_backend}"
-    host = (config.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
-    if config.rdzv_backend == "c10d" and host not in rendezvous.LOCAL_HOSTS:
-        return f"remote rendezvous endpoint {config.rdzv_endpoint}"
-    if args.no_python:
-        return "--no-python"
-    if getattr(args, "local_addr", None):
-        return "--local-addr"
-    if config.nproc_per_node < 1:
-        return f"nproc_per_node={config.nproc_per_node}"
-    return ""
-
-
-def _parse(spec: StepSpec):
-    """torchrun's own parsing of the step's arguments (raises SystemExit on a usage error)."""
-    from torch.distributed import run as torchrun
-    # argparse names itself after argv[0]: "torchrun", or "run.py" under python -m.
-    program = spec.args[0] if os.path.basename(spec.args[0]) == "torchrun" else torchrun.__file__
-    sys.argv = [program, *spec.torchrun_args]
-    return torchrun.parse_args(spec.torchrun_args)
-
-
-def _configure(args):
-    """What torchrun's ``run()`` makes of its arguments: (args, config, cmd, cmd_args)."""
-    from torch.distributed import run as torchrun
-    # The rendezvous defaults of torchrun's ``run()``, which config_from_args does not apply.
-    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
-                           and args.master_port is None
-                           and torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1):
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    if args.master_port is None:
-        args.master_port = 29500
-    nproc = resolve_nproc(str(args.nproc_per_node))
-    if nproc is None:
-        return args, None, None, None
-    args.nproc_per_node = nproc
-    # LaunchConfig asks torch.cuda.is_available(); through cudaGetDeviceCount that poisons every
-    # later fork, so the agent asks NVML instead, as the zygote's preload does.
-    with cuda.cuda_safe_imports():
-        config, cmd, cmd_args = torchrun.config_from_args(args)
-    return args, config, cmd, cmd_args
 
 
 def run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int,
@@ -98,7 +36,7 @@ def run_agent(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int,
     they fit the launch and released otherwise."""
     try:
         try:
-            args = _parse(spec)
+            args = parse_torchrun_args(spec)
         except SystemExit as exc:  # argparse already printed torchrun's usage error
             protocol.send_event(conn_fd, "exec", t=time.time())
             return exc.code if isinstance(exc.code, int) else 1
@@ -117,7 +55,7 @@ def serve_launch(spec: StepSpec, state: runtime.ZygoteState, conn_fd: int, args,
     traceback and exit status 1); else what ``run()`` raises is the caller's to handle."""
     warm_ranks = warm_ranks or {}
     try:
-        args, config, cmd, cmd_args = _configure(args)
+        args, config, cmd, cmd_args = configure_launch(args)
     except ValueError as exc:
         protocol.send_event(conn_fd, "fallback", reason=f"torchrun: {exc}", retire=False)
         return 0

@@ -16,7 +16,7 @@ import time
 
 from . import daemon, settings
 from .cli_run import other_daemons
-from .client import ZygoteProcess
+from .zygote_handle import ZygoteProcess
 from .daemon_files import daemon_paths, pid_alive, starting_daemons, starting_file
 from .files import unlink_all
 from .reporting import format_deferred

@@ -10,7 +10,7 @@ import os
 import sys
 
 from . import learn, settings
-from .client import ZygoteProcess
+from .zygote_handle import ZygoteProcess
 from .files import read_json
 from .profiles import write_profile
 from .reporting import doctor_verdict, format_doctor

@@ -12,7 +12,8 @@ from typing import Mapping, Optional, Sequence
 
 from . import daemon
 from .cli_run import other_daemons, say
-from .client import Launcher, ZygoteProcess
+from .client import Launcher
+from .zygote_handle import ZygoteProcess
 from .reporting import preload_problems
 from .result import ZygoteDied
 

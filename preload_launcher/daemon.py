@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Mapping, Optional, Sequence
 
-from .client import ZygoteProcess
+from .zygote_handle import ZygoteProcess
 from .daemon_files import (daemon_paths, list_daemons, pid_alive, read_starting, starting_file,
                            write_starting)
 from .files import lock_file, read_json, remove_all, unlink_all, write_json, zygote_files

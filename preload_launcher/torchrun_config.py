@@ -1,0 +1,79 @@
+"""What torchrun makes of a step's arguments, by torchrun's own parser and ``config_from_args``
+(the agent never re-implements them): the launch config, ``nproc_per_node`` counted without a
+CUDA context, and why torchrun itself must run a launch the agent does not serve.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from typing import Optional
+
+from . import cuda, rendezvous
+from .command import StepSpec
+
+__all__ = ["resolve_nproc", "unsupported_reason", "parse_torchrun_args", "configure_launch"]
+
+
+
+def resolve_nproc(value: str) -> Optional[str]:
+    """``gpu``/``auto`` counted through NVML, never through a CUDA context; None if unknowable."""
+    if value not in ("gpu", "auto"):
+        return value
+    count = cuda.nvml_device_count()
+    if count > 0:
+        return str(count)
+    return str(os.cpu_count() or 1) if value == "auto" else None
+
+
+def unsupported_reason(args, config) -> str:
+    """Why torchrun itself must run this launch ('' when the agent serves it)."""
+    if (config.min_nodes, config.max_nodes) != (1, 1):
+        return f"multi-node launch (nnodes={config.min_nodes}:{config.max_nodes})"
+    if config.max_restarts:
+        return f"--max-restarts={config.max_restarts}"
+    if args.node_rank:
+        return f"--node-rank={args.node_rank}"
+    if config.rdzv_backend not in ("static", "c10d"):
+        return f"rendezvous backend {config.rdzv_backend}"
+    host = (config.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
+    if config.rdzv_backend == "c10d" and host not in rendezvous.LOCAL_HOSTS:
+        return f"remote rendezvous endpoint {config.rdzv_endpoint}"
+    if args.no_python:
+        return "--no-python"
+    if getattr(args, "local_addr", None):
+        return "--local-addr"
+    if config.nproc_per_node < 1:
+        return f"nproc_per_node={config.nproc_per_node}"
+    return ""
+
+
+def parse_torchrun_args(spec: StepSpec):
+    """torchrun's own parsing of the step's arguments (raises SystemExit on a usage error)."""
+    from torch.distributed import run as torchrun
+    # argparse names itself after argv[0]: "torchrun", or "run.py" under python -m.
+    program = spec.args[0] if os.path.basename(spec.args[0]) == "torchrun" else torchrun.__file__
+    sys.argv = [program, *spec.torchrun_args]
+    return torchrun.parse_args(spec.torchrun_args)
+
+
+def configure_launch(args):
+    """What torchrun's ``run()`` makes of its arguments: (args, config, cmd, cmd_args)."""
+    from torch.distributed import run as torchrun
+    # The rendezvous defaults of torchrun's ``run()``, which config_from_args does not apply.
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
+                           and args.master_port is None
+                           and torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    nproc = resolve_nproc(str(args.nproc_per_node))
+    if nproc is None:
+        return args, None, None, None
+    args.nproc_per_node = nproc
+    # LaunchConfig asks torch.cuda.is_available(); through cudaGetDeviceCount that poisons every
+    # later fork, so the agent asks NVML instead, as the zygote's preload does.
+    with cuda.cuda_safe_imports():
+        config, cmd, cmd_args = torchrun.config_from_args(args)
+    return args, config, cmd, cmd_args
