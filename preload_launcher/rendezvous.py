@@ -5,7 +5,6 @@ its argument macros. torch elastic's own helpers do the work where it has them.
 
 from __future__ import annotations
 
-import os
 import socket
 from types import SimpleNamespace
 

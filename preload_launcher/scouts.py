@@ -22,7 +22,6 @@ import select
 import signal
 import sys
 import threading
-import time
 from dataclasses import asdict
 from typing import Callable, Optional
 

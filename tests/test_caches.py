@@ -1,6 +1,5 @@
 """The caches hold up: profile edits from several processes are all kept, and a read-only or
 full cache directory costs the cache, never a zygote or a step."""
-import json
 import os
 import subprocess
 import sys

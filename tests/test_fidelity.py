@@ -282,7 +282,7 @@ def test_a_steps_fds_are_a_fresh_interpreters(torch_launcher):
 def test_a_program_that_takes_the_report_fd_keeps_its_file(light, tmp_path):
     """A program that ``dup2``s its own file onto the exit report's fd: the file gets only what
     the program wrote, and the exit code still arrives."""
-    code = textwrap.dedent(f"""\
+    code = textwrap.dedent("""\
         import os, resource, sys
         top = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1024) - 1
         fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)

@@ -2,7 +2,6 @@
 import os
 import subprocess
 import textwrap
-import time
 
 import pytest
 

@@ -8,7 +8,6 @@ import pwd
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import tempfile
 import textwrap
 
 import pytest
@@ -116,7 +115,7 @@ def test_ctrl_c_on_a_run_caller_reaches_each_rank_once(torch_launcher, tmp_path)
     zygote = torch_launcher.zygote_for(env)
     out_r, out_w = os.pipe()
     spec = parse_command([TORCHRUN, "--nproc-per-node=2", "sleeper.py"], env, str(tmp_path))
-    sock = zygote.submit(spec, out_w, 0)
+    sock = zygote.submit(spec, [0, out_w])
     os.close(out_w)
     _wait_for_files(tmp_path, ["ready0", "ready1"])
     protocol.send_op(sock, "signal", signum=signal.SIGINT)
