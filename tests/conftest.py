@@ -12,10 +12,16 @@ from preload_launcher import Launcher
 
 # Verdicts, learned profiles, sockets and logs of this session stay out of the user's
 # directories, and go with the session (pytest_unconfigure).
+TMP = tempfile.gettempdir()
+TMP_BEFORE = set(os.listdir(TMP))  # the suite must leave nothing else there
 SESSION_DIR = tempfile.mkdtemp(prefix="pl-tests-")
 os.environ.setdefault("PRELOAD_LAUNCHER_CACHE_DIR", os.path.join(SESSION_DIR, "cache"))
 os.environ["XDG_RUNTIME_DIR"] = os.path.join(SESSION_DIR, "run")
 os.makedirs(os.environ["XDG_RUNTIME_DIR"], exist_ok=True)
+# The reference programs' temporary files (the real torchrun leaves a torchelastic_* folder per
+# launch) go with the session too; the launcher's own leftovers are tested where they arise.
+os.environ["TMPDIR"] = os.path.join(SESSION_DIR, "tmp")
+os.makedirs(os.environ["TMPDIR"], exist_ok=True)
 
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
 PY = sys.executable
@@ -28,6 +34,18 @@ TORCH_FIXTURES = {"torch_launcher", "warm_torch_launcher"}
 @pytest.hookimpl(trylast=True)  # after the plugin has ended the session's zygote (it may still
 def pytest_unconfigure(config):  # be preloading, and would write its cache here afterwards)
     shutil.rmtree(SESSION_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Nothing of the suite's is left in the temporary directory (pytest's own tmp_path
+    folders aside, which pytest keeps and prunes itself)."""
+    left = sorted(name for name in set(os.listdir(TMP)) - TMP_BEFORE
+                  if name != os.path.basename(SESSION_DIR) and not name.startswith("pytest-of-"))
+    if left:
+        session.config.get_terminal_writer().line(
+            f"left in {TMP} by the suite: {', '.join(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):
