@@ -40,8 +40,8 @@ def pytest_unconfigure(config):  # be preloading, and would write its cache here
 def pytest_sessionfinish(session, exitstatus):
     """Nothing of the suite's is left in the temporary directory (pytest's own tmp_path
     folders aside, which pytest keeps and prunes itself)."""
-    left = sorted(name for name in set(os.listdir(TMP)) - TMP_BEFORE
-                  if name != os.path.basename(SESSION_DIR) and not name.startswith("pytest-of-"))
+    left = sorted(name for name in set(os.listdir(TMP)) - TMP_BEFORE  # pytest-of-*: pytest's;
+                  if not name.startswith(("pytest-of-", "pl-tests-")))  # pl-tests-*: sessions'
     if left:
         session.config.get_terminal_writer().line(
             f"left in {TMP} by the suite: {', '.join(left)}", red=True)
