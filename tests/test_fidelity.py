@@ -169,6 +169,7 @@ def test_a_closed_pipe_is_a_broken_pipe_error(light):
     script = ("python3 -c 'import sys; sys.stdout.write(\"x\" * 200000)' 2>&3 | head -c10 >/dev/null; "
               "echo rc=${PIPESTATUS[0]}")
     env = fresh_env(PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    light.run([PY, "-c", "pass"], env=env)  # a ready zygote for this environment first
     before = light.standin_steps()
     ref, got = both(light, ["bash", "-c", "{ %s; } 3>&1" % script], env=env)
     assert light.standin_steps() == before + 1, got.reason
@@ -430,6 +431,7 @@ def test_a_shell_steps_python_gets_the_shells_attributes(light):
     forked through its stand-in, with the shell's attributes."""
     script = f"umask 077; ulimit -n 512; trap '' HUP; python3 -c '{ATTRIBUTES}'"
     env = fresh_env(PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    light.run([PY, "-c", "pass"], env=env)  # a ready zygote for this environment first
     before = light.standin_steps()
     ref, got = both(light, ["bash", "-c", script], env=env)
     assert light.standin_steps() == before + 1, got.reason

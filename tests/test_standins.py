@@ -322,6 +322,7 @@ def test_accelerate_launch_in_a_script_is_forked(torch_launcher, tmp_path):
     script = tmp_path / "train.sh"
     script.write_text(f"accelerate launch --num_processes 1 {program('accelerate_env.py')}\n")
     env = dict(accelerate_env(tmp_path), PATH=BIN + os.pathsep + os.environ["PATH"])
+    torch_launcher.run([PY, "-c", "pass"], env=env)  # a ready zygote for this environment first
     before = torch_launcher.standin_steps()
     got = torch_launcher.run(["bash", str(script)], env=env, timeout=180)
     assert got.returncode == 0 and "RANKINFO" in got.stdout, got.stdout
