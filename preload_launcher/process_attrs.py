@@ -70,6 +70,26 @@ def _quietly(call, *args) -> None:
         pass
 
 
+# Ignored by python itself at start-up, whatever its caller did.
+PYTHON_IGNORES = {signal.SIGPIPE, getattr(signal, "SIGXFSZ", signal.SIGPIPE)}
+
+
+def _take_ignored_signals(ignored: set[int]) -> None:
+    """Ignore what the caller ignores, and only that: a zygote started with SIGINT ignored
+    (from a job run with ``&`` or ``nohup``) must not pass that on to a caller who does not
+    ignore it, whose fresh python would install its KeyboardInterrupt handler."""
+    for signum in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP} - PYTHON_IGNORES:
+        try:
+            current = signal.getsignal(signum)
+        except (OSError, ValueError):
+            continue
+        if signum in ignored and current is not signal.SIG_IGN:
+            _quietly(signal.signal, signum, signal.SIG_IGN)
+        elif signum not in ignored and current is signal.SIG_IGN:
+            _quietly(signal.signal, signum,
+                     signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
 def apply(attrs: dict) -> None:
     """Take on the caller's attributes where they differ from this process's (a fresh
     interpreter's start-up keeps them all; python then sets SIGINT's handler unless SIGINT
@@ -85,8 +105,6 @@ def apply(attrs: dict) -> None:
         _quietly(os.sched_setaffinity, 0, attrs["affinity"])
     if os.getpriority(os.PRIO_PROCESS, 0) != attrs["nice"]:
         _quietly(os.setpriority, os.PRIO_PROCESS, 0, attrs["nice"])
-    for signum in attrs["ignored_signals"]:
-        if signum not in (signal.SIGKILL, signal.SIGSTOP):
-            _quietly(signal.signal, signum, signal.SIG_IGN)
+    _take_ignored_signals(set(attrs["ignored_signals"]))
     if attrs["blocked_signals"] or signal.pthread_sigmask(signal.SIG_BLOCK, []):
         signal.pthread_sigmask(signal.SIG_SETMASK, attrs["blocked_signals"])

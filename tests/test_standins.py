@@ -186,6 +186,16 @@ def test_accelerate_launch_matches_the_real_one(torch_launcher, tmp_path, launch
         assert ours[rank]["threads"] == theirs[rank]["threads"]
 
 
+@pytest.fixture
+def sigint_as_a_terminal_gives_it():
+    """SIGINT at python's handler in this process while the test runs, as under a terminal's
+    shell, also when the suite was started with SIGINT ignored (``cmd &``, nohup): both the real
+    launch and ours take the caller's disposition."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("processes", [["--num_processes", "1"],
                                        ["--multi_gpu", "--num_processes", "2"]])
 def test_a_failing_program_fails_accelerate_launch_alike(torch_launcher, tmp_path, processes):
@@ -287,6 +297,7 @@ def signal_outcome(output):
                                         "--num_processes", "2"]],
                          ids=["one", "multi_gpu"])
 @pytest.mark.parametrize("sig, target", [("TERM", ""), ("INT", "-")], ids=["sigterm", "ctrl-c"])
+@pytest.mark.usefixtures("sigint_as_a_terminal_gives_it")
 def test_a_signalled_accelerate_launch_ends_as_the_real_one(torch_launcher, tmp_path, sig, target,
                                                             processes):
     (tmp_path / "sig.sh").write_text(SIGNALLED_LAUNCH)
@@ -347,8 +358,9 @@ def test_what_accelerate_imports_is_learned(tmp_path):
         launcher.close()
 
 
+@pytest.mark.usefixtures("sigint_as_a_terminal_gives_it")
 def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, tmp_path):
-    from preload_launcher import protocol
+    from preload_launcher import process_attrs, protocol
     from preload_launcher.command import parse_command
     prog = tmp_path / "wait.py"
     prog.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
@@ -360,11 +372,8 @@ def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, t
             out += read()
         return out
 
-    # As a terminal's shell starts them, even when this suite runs with SIGINT ignored (`cmd &`
-    # in a script, nohup): an ignored disposition is inherited, and python then keeps it.
     real = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            start_new_session=True, text=True)
     until_ready(lambda: real.stdout.readline())
     os.killpg(real.pid, signal.SIGINT)
     real_out = real.stdout.read()
@@ -372,11 +381,9 @@ def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, t
 
     zygote = torch_launcher.zygote_for(env)
     out_r, out_w = os.pipe()
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # the same for ours
-    try:
-        sock = zygote.submit(parse_command(args, env, str(tmp_path)), [0, out_w])
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    spec = parse_command(args, env, str(tmp_path))
+    spec.process = process_attrs.capture()  # what run() sends: this caller's dispositions
+    sock = zygote.submit(spec, [0, out_w])
     os.close(out_w)
     until_ready(lambda: os.read(out_r, 4096).decode())
     protocol.send_op(sock, "signal", signum=signal.SIGINT)
