@@ -417,6 +417,25 @@ def test_process_attributes_are_the_callers_at_call_time():
     assert got.replace(got.splitlines()[-1] + "\n", "") == ref
 
 
+def test_a_signal_the_zygote_ignores_is_not_ignored_for_a_caller_that_does_not():
+    """A zygote started while SIGINT was ignored (its starter ran under ``&`` or nohup), and a
+    caller that then takes SIGINT back: its step gets python's KeyboardInterrupt handler, as a
+    fresh interpreter started by that caller does."""
+    code = ("import signal; print('sigint', signal.getsignal(signal.SIGINT) is "
+            "signal.default_int_handler)")
+    caller = CALLER.replace("\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n",
+                            "\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n", 1)
+    caller = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + caller
+    assert caller.count("default_int_handler") == 1 and caller.count("SIG_IGN)") == 2
+    env = fresh_env(PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+    outs = [subprocess.run([PY, "-c", caller, PY, code, how, "json"], env=env, timeout=300,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+            for how in ("plain", "launcher")]
+    assert outs[0] == "sigint True\n", outs
+    assert outs[1].splitlines()[0] == "sigint True" and "via zygote" in outs[1], outs
+
+
 @pytest.mark.needs_torch
 def test_torch_threads_follow_the_callers_cpu_set():
     code = "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())"
