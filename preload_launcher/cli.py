@@ -14,7 +14,6 @@ from typing import Optional
 
 from . import __version__, settings
 from .rundir import NoPrivateDirectory
-from .reporting import format_doctor  # noqa: F401 (the GPU scripts import it from here)
 
 __all__ = ["main", "build_parser"]
 
