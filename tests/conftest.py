@@ -100,3 +100,26 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def signal_submitted_step(zygote, spec, signum, wait_ready) -> tuple[dict, bytes]:
+    """Submit ``spec`` to ``zygote`` (stdin, and one pipe for its output), wait with
+    ``wait_ready(output_fd)``, then send ``signum`` as a caller relays Ctrl-C. Returns the
+    step's events by name and the output that followed."""
+    from preload_launcher import protocol
+    out_r, out_w = os.pipe()
+    sock = zygote.submit(spec, [0, out_w])
+    os.close(out_w)
+    try:
+        wait_ready(out_r)
+        protocol.send_op(sock, "signal", signum=signum)
+        reader, events = protocol.EventReader(), {}
+        while "exit" not in events:
+            events.update({e["event"]: e for e in reader.feed(sock.recv(4096))})
+        output = b""
+        while chunk := os.read(out_r, 65536):
+            output += chunk
+    finally:
+        sock.close()
+        os.close(out_r)
+    return events, output

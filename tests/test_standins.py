@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import PY, plain, program, wait_gone
+from conftest import PY, plain, program, signal_submitted_step, wait_gone
 
 pytestmark = pytest.mark.needs_torch
 
@@ -360,7 +360,7 @@ def test_what_accelerate_imports_is_learned(tmp_path):
 
 @pytest.mark.usefixtures("sigint_as_a_terminal_gives_it")
 def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, tmp_path):
-    from preload_launcher import process_attrs, protocol
+    from preload_launcher import process_attrs
     from preload_launcher.command import parse_command
     prog = tmp_path / "wait.py"
     prog.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
@@ -380,21 +380,11 @@ def test_ctrl_c_ends_accelerate_launch_as_it_ends_the_real_one(torch_launcher, t
     real.wait(timeout=60)
 
     zygote = torch_launcher.zygote_for(env)
-    out_r, out_w = os.pipe()
     spec = parse_command(args, env, str(tmp_path))
     spec.process = process_attrs.capture()  # what run() sends: this caller's dispositions
-    sock = zygote.submit(spec, [0, out_w])
-    os.close(out_w)
-    until_ready(lambda: os.read(out_r, 4096).decode())
-    protocol.send_op(sock, "signal", signum=signal.SIGINT)
-    reader, events = protocol.EventReader(), {}
-    while "exit" not in events:
-        events.update({e["event"]: e for e in reader.feed(sock.recv(4096))})
-    ours_out = b""
-    while chunk := os.read(out_r, 4096):
-        ours_out += chunk
-    sock.close()
-    os.close(out_r)
+    events, ours_out = signal_submitted_step(
+        zygote, spec, signal.SIGINT,
+        lambda out_r: until_ready(lambda: os.read(out_r, 4096).decode()))
     # accelerate 1.16 exits 130 (its own handling); older ones die of the KeyboardInterrupt.
     assert events["exit"]["returncode"] == real.returncode, (real_out, ours_out)
     assert real.returncode in (130, -signal.SIGINT), real_out

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from conftest import PY, plain
+from conftest import PY, plain, signal_submitted_step
 
 pytestmark = pytest.mark.needs_torch
 
@@ -108,25 +108,13 @@ def test_a_signal_to_torchrun_reaches_each_rank_once_as_with_torchrun(torch_laun
 
 def test_ctrl_c_on_a_run_caller_reaches_each_rank_once(torch_launcher, tmp_path):
     """Ctrl-C on the caller of ``run()`` (a signal relayed to the launch's group)."""
-    from preload_launcher import protocol
     from preload_launcher.command import parse_command
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     env = step_env(tmp_path)
     zygote = torch_launcher.zygote_for(env)
-    out_r, out_w = os.pipe()
     spec = parse_command([TORCHRUN, "--nproc-per-node=2", "sleeper.py"], env, str(tmp_path))
-    sock = zygote.submit(spec, [0, out_w])
-    os.close(out_w)
-    _wait_for_files(tmp_path, ["ready0", "ready1"])
-    protocol.send_op(sock, "signal", signum=signal.SIGINT)
-    reader, events = protocol.EventReader(), {}
-    while "exit" not in events:
-        events.update({e["event"]: e for e in reader.feed(sock.recv(4096))})
-    output = b""
-    while chunk := os.read(out_r, 65536):
-        output += chunk
-    sock.close()
-    os.close(out_r)
+    events, output = signal_submitted_step(
+        zygote, spec, signal.SIGINT, lambda _: _wait_for_files(tmp_path, ["ready0", "ready1"]))
     text = output.decode()
     assert events["exit"]["returncode"] == 1, text
     assert sorted(l for l in text.splitlines() if l.startswith("rank ")) == sorted(
