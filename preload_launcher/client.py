@@ -172,6 +172,7 @@ class Launcher:
         new one."""
         modules = list(self.preload_set())
         with self._lock:
+            self._attach_shared()
             same = [z for z in self.zygotes if z.modules == modules and
                     (not z._ready.is_set() or z.alive())]
             fitting = [z for z in same if z._ready.is_set() and z.matches(env)]

@@ -14,7 +14,7 @@ from typing import Optional
 
 import pytest
 
-from . import client, daemon, settings
+from . import client, daemon, settings, suite_wide
 from .reporting import format_deferred, format_learned, preload_problems
 from .result import LauncherError
 
@@ -22,6 +22,9 @@ PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER 
 MODULES_DESC = "comma-separated modules the zygote preloads (PRELOAD_LAUNCHER_MODULES wins)"
 GPUS_DESC = ("pack steps onto free GPUs: auto, or GPU ids like 0,1,2,3 (PRELOAD_LAUNCHER_GPUS "
              "wins; off by default)")
+SUITE_DESC = ("also fork every python/torchrun/accelerate the tests start themselves "
+              "(subprocess, sys.executable, os.system, shell scripts, multiprocessing spawn); "
+              "PRELOAD_LAUNCHER=suite wins")
 PROFILE_DESC = ("a portable profile (preload-launcher profile --write) the zygote starts from, "
                 "relative to the rootdir (PRELOAD_LAUNCHER_PROFILE wins)")
 
@@ -29,6 +32,8 @@ launcher_key = pytest.StashKey[Optional[client.Launcher]]()
 shared_key = pytest.StashKey[str]()  # the socket of the zygote this session's workers share
 started_key = pytest.StashKey[float]()
 named_key = pytest.StashKey[str]()  # where the preload list was named ("" for the default)
+suite_key = pytest.StashKey[bool]()  # suite_wide is installed in this process
+workers_key = pytest.StashKey[dict]()  # suite_wide's counts from the xdist workers
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,6 +42,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     default=None, help=PRELOAD_LAUNCHER_DESC)
     group.addoption("--no-preload-launcher", dest="preload_launcher", action="store_false",
                     help="run every step as a plain subprocess")
+    group.addoption("--preload-launcher-suite", dest="preload_launcher_suite",
+                    action="store_true", default=None, help=SUITE_DESC)
+    parser.addini("preload_launcher_suite", SUITE_DESC, type="bool", default=False)
     parser.addini("preload_launcher_modules", MODULES_DESC, default=None)
     parser.addini("preload_launcher_profile", PROFILE_DESC, default=None)
     parser.addini("preload_launcher_gpus", GPUS_DESC, default=None)
@@ -50,6 +58,18 @@ def resolve_enabled(config: pytest.Config, option: Optional[bool] = None) -> boo
     if option is None:
         option = config.getoption("preload_launcher")
     return True if option is None else bool(option)
+
+
+def resolve_suite_wide(config: pytest.Config) -> bool:
+    """Whether the tests' own launches are served too: env (``PRELOAD_LAUNCHER=suite``) > CLI
+    (``--preload-launcher-suite``) > ini (``preload_launcher_suite``) > off."""
+    from_env = settings.Settings.from_env().suite_wide
+    if from_env is not None:
+        return from_env
+    option = getattr(config.option, "preload_launcher_suite", None)
+    if option is None:  # early: only the known args are parsed
+        option = getattr(config.known_args_namespace, "preload_launcher_suite", None)
+    return bool(option) if option is not None else bool(config.getini("preload_launcher_suite"))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -109,6 +129,9 @@ def _start_session_launcher(config: pytest.Config, option: Optional[bool],
             config.stash[shared_key] = launcher.prestart().socket_path
         except (LauncherError, OSError):  # no private directory: each run() says why it ran
             pass                           # as a plain process; the session goes on
+    if resolve_suite_wide(config):
+        suite_wide.install(launcher)
+        config.stash[suite_key] = True
 
 
 def _matching_daemon(modules) -> str:
@@ -132,6 +155,11 @@ def pytest_configure_node(node) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     launcher = config.stash.get(launcher_key, None)
     if launcher is not None:
+        if config.stash.get(suite_key, False):
+            suite_wide.uninstall()
+            workeroutput = getattr(config, "workeroutput", None)
+            if workeroutput is not None:  # an xdist worker: its controller sums them up
+                workeroutput["preload_launcher_suite"] = suite_wide.counts()
         client.set_session_launcher(None)
         launcher.close()
 
@@ -152,6 +180,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     stats = launcher.stats
     if not stats["zygote"] and not stats["subprocess"]:
         _shared_summary(terminalreporter, launcher)
+        _suite_wide_summary(terminalreporter, config, launcher)
         return
     tr = terminalreporter
     tr.write_sep("-", "preload_launcher")
@@ -165,6 +194,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         tr.write_line(f"  interpreters those subprocesses started, forked by the zygote: "
                       f"{launcher.standin_steps()} (python/torchrun/accelerate stand-ins on "
                       f"the PATH of {steps} step{'' if steps == 1 else 's'})")
+    _suite_wide_summary(tr, config, launcher, separator=False)
     tr.write_line(f"zygotes started: {stats['zygotes_started']}; steps waited "
                   f"{stats['waited_s']:.1f} s in all for a zygote's preload")
     if stats["gpu_waits"]:
@@ -204,3 +234,30 @@ def _shared_summary(tr, launcher: client.Launcher) -> None:
             tr.write_line(f"GPU packing over {','.join(packing['pool'])}: "
                           f"{packing['granted_steps']} steps granted GPUs; they waited "
                           f"{packing['waited_s']:.1f} s in all for free ones")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """xdist's controller: add up what each worker's tests started (suite_wide)."""
+    counts = getattr(node, "workeroutput", {}).get("preload_launcher_suite")
+    if counts:
+        total = node.config.stash.setdefault(workers_key, {})
+        for kind, n in counts.items():
+            total[kind] = total.get(kind, 0) + n
+
+
+def _suite_wide_summary(tr, config: pytest.Config, launcher: client.Launcher,
+                        separator: bool = True) -> None:
+    """What the tests started themselves, with suite-wide serving on (all workers')."""
+    if not config.stash.get(suite_key, False):
+        return
+    counts = suite_wide.counts()
+    for kind, n in config.stash.get(workers_key, {}).items():
+        counts[kind] = counts.get(kind, 0) + n
+    if separator:
+        tr.write_sep("-", "preload_launcher")
+    tr.write_line(f"suite-wide: the tests started {counts['interpreters']} interpreters "
+                  f"(python, torchrun, accelerate, console scripts) and {counts['with_standins']} "
+                  "other programs with stand-ins on their PATH; stand-ins had the zygote fork "
+                  f"{launcher.standin_steps()} interpreters in all (the others ran the real "
+                  "program)")

@@ -42,6 +42,7 @@ PREWARM_CUDA_LEVELS = ("context", "kernels", "0")
 PROBES = ("libcuda", "fake")
 DEFERRED_MODES = ("lazy", "eager")
 
+SUITE_WIDE = "suite"  # PRELOAD_LAUNCHER's value that also serves what tests start themselves
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 
@@ -126,6 +127,9 @@ class Settings:
     """What one environment asks of the launcher (docs/user-guide.md lists each variable)."""
 
     toggle: Optional[bool] = None  # PRELOAD_LAUNCHER: the per-lane toggle (None: not set)
+    # PRELOAD_LAUNCHER=suite: on, and every interpreter a test process starts is served too
+    # (suite_wide); None: not said here (the plugin's option or ini key may say it).
+    suite_wide: Optional[bool] = None
     modules: Optional[tuple[str, ...]] = None  # PRELOAD_LAUNCHER_MODULES (None: not set)
     prewarm: Optional[bool] = None  # PRELOAD_LAUNCHER_PREWARM (None: the caller's default)
     prewarm_ranks: Optional[int] = None  # PRELOAD_LAUNCHER_PREWARM_RANKS (None: one per GPU)
@@ -150,8 +154,10 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
         r = _Reader(environ)
         modules = r.raw("PRELOAD_LAUNCHER_MODULES")
+        toggle, suite_wide = _toggle(r.raw("PRELOAD_LAUNCHER"))
         return cls(
-            toggle=r.flag("PRELOAD_LAUNCHER", None),
+            toggle=toggle,
+            suite_wide=suite_wide,
             modules=None if modules is None else parse_modules(
                 modules, "PRELOAD_LAUNCHER_MODULES environment variable"),
             prewarm=r.flag("PRELOAD_LAUNCHER_PREWARM", None),
@@ -182,6 +188,19 @@ class Settings:
     def enabled(self) -> bool:
         """On unless ``PRELOAD_LAUNCHER`` says off."""
         return self.toggle is not False
+
+
+def _toggle(value: Optional[str]) -> tuple[Optional[bool], Optional[bool]]:
+    """``PRELOAD_LAUNCHER``: the boolean rule, or ``suite`` (on, suite-wide)."""
+    if value is None:
+        return None, None
+    if value.strip().lower() == SUITE_WIDE:
+        return True, True
+    try:
+        on = parse_bool(value, "PRELOAD_LAUNCHER environment variable")
+    except SettingsError as err:
+        raise SettingsError(f"{str(err)[:-1]}, or {SUITE_WIDE})") from None
+    return on, None if on else False
 
 
 def _quarantine(value: Optional[str]) -> dict:

@@ -36,6 +36,9 @@ if __name__ != "__main__":  # imported by the launcher; the written executable e
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 PROGRAM = "standin"  # the file multiprocessing runs; the named links beside it are for PATH
+# Set only for a stand-in run in place of a program a test process started (suite_wide):
+# "real path\nargv[0]"; taken out of the environment before anything else sees it.
+STANDS_IN_FOR = "_PRELOAD_LAUNCHER_STANDS_IN_FOR"
 
 
 def nested_names() -> tuple:
@@ -139,6 +142,12 @@ class Invocation:
         here = os.path.dirname(os.path.abspath(argv[0]))
         self.name = os.path.basename(argv[0])
         self.env = dict(environ)
+        redirected = self.env.pop(STANDS_IN_FOR, None)
+        if redirected is not None:  # a test process's launch (suite_wide): the program it named
+            self.real, argv0 = redirected.split("\n", 1)
+            self.name, self.spawned = os.path.basename(self.real), False
+            self.args = [argv0, *argv[1:]]  # the kernel's #! handling replaced argv[0]
+            return
         self.spawned = self.name not in nested_names()
         if self.spawned:  # multiprocessing's interpreter: this one, as multiprocessing named it
             self.real, self.args = sys.executable, [sys.executable, *argv[1:]]

@@ -95,7 +95,7 @@ class ZygoteRequests:
 
     def fork_step(self, conn: socket.socket, spec: dict, fds: list[int]) -> None:
         arrived = time.monotonic()
-        if spec.get("nested"):
+        if spec.get("nested") or spec.get("spawned"):
             spec = self.classify_standin(spec)
             if isinstance(spec, str):  # the stand-in runs the real program
                 protocol.send_event(conn, "fallback", reason=spec, retire=False)
@@ -171,16 +171,19 @@ class ZygoteRequests:
     def classify_standin(self, spec: dict):
         """A stand-in's command classified as the client classifies a step: the spec to fork,
         or why the real program must run (not served, or an environment the preload's imports
-        would have seen differently)."""
+        would have seen differently). A spawned interpreter's command line is multiprocessing's
+        own, parsed by the child; its parent may still have changed the environment."""
+        differs = import_env_mismatch(self.report.import_env if self.report else {}, spec["env"])
+        if differs:
+            return f"its environment differs from the preload's in {', '.join(differs[:3])}"
+        if spec.get("spawned"):
+            return spec
         try:
             parsed = parse_command(spec["args"], spec["env"], spec["cwd"])
         except OSError as err:
             return str(err)
         if isinstance(parsed, Unsupported):
             return parsed.reason
-        differs = import_env_mismatch(self.report.import_env if self.report else {}, spec["env"])
-        if differs:
-            return f"its environment differs from the preload's in {', '.join(differs[:3])}"
         return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"], "nested": True,
                 "process": spec.get("process") or {}}
 
