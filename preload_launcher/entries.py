@@ -31,6 +31,9 @@ class PreloadReport:
     nvml_answers: bool = False
     seconds: float = 0.0
     import_env: dict[str, Optional[str]] = field(default_factory=dict)
+    # Of those, the ones unset at start that the imports set (TORCHINDUCTOR_CACHE_DIR): an
+    # environment holding the same value (a process that imported the same stack) matches.
+    set_while_importing: dict[str, str] = field(default_factory=dict)
     dirty_entry: str = ""  # set when an entry left the process unfit to fork
     deferred: dict[str, dict] = field(default_factory=dict)  # package -> verdict + cut imports
     hints: dict[str, str] = field(default_factory=dict)  # a profile's verdict -> its check

@@ -93,13 +93,16 @@ def flags_differ(recorded: Mapping[str, Optional[int]], env: Mapping[str, str]) 
             if key.startswith(FLAG_PREFIX) and wanted.get(key[len(FLAG_PREFIX):], value) != value]
 
 
-def import_env_mismatch(import_env: Mapping[str, Optional[str]],
-                        env: Mapping[str, str]) -> list[str]:
+def import_env_mismatch(import_env: Mapping[str, Optional[str]], env: Mapping[str, str],
+                        set_while_importing: Optional[Mapping[str, str]] = None) -> list[str]:
     """The import-relevant variables whose value in ``env`` differs from a preload's
     (``preload.import_env``), and the start-up flags (``sys.flags.X``) a fresh interpreter
-    would take otherwise from ``env``: a zygote serves only steps where this is empty."""
+    would take otherwise from ``env``: a zygote serves only steps where this is empty. A
+    variable the preload's imports set themselves (unset before) may hold that value."""
     flags = FLAG_PREFIX
-    return sorted([k for k, v in import_env.items() if not k.startswith(flags) and env.get(k) != v]
+    set_by_imports = set_while_importing or {}
+    return sorted([k for k, v in import_env.items() if not k.startswith(flags) and env.get(k) != v
+                   and not (v is None and k in set_by_imports and env.get(k) == set_by_imports[k])]
                   + flags_differ(import_env, env))
 
 

@@ -136,6 +136,8 @@ class Preloader:
         report.import_env.update({interpreter.FLAG_PREFIX + k: v
                                   for k, v in interpreter.zygote_flags().items()})
         self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
+        report.set_while_importing = {k: v for k, v in self.env_set_by_preload.items()
+                                      if k in report.import_env and start_env.get(k) is None}
         return report
 
     def should_scout(self, module: str) -> bool:

@@ -179,7 +179,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         return
     stats = launcher.stats
     if not stats["zygote"] and not stats["subprocess"]:
-        _shared_summary(terminalreporter, launcher)
+        whom = "the workers" if config.pluginmanager.hasplugin("dsession") else "this session"
+        _shared_summary(terminalreporter, launcher, whom)
         _suite_wide_summary(terminalreporter, config, launcher)
         return
     tr = terminalreporter
@@ -215,8 +216,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
             tr.write_line(f"  {line}")
 
 
-def _shared_summary(tr, launcher: client.Launcher) -> None:
-    """Under xdist the steps ran in the workers; the controller reports its shared zygote."""
+def _shared_summary(tr, launcher: client.Launcher, whom: str) -> None:
+    """Under xdist the steps ran in the workers, and suite-wide the tests' own launches went to
+    stand-ins: the zygote reports what it served."""
     for z in launcher.zygotes:
         if not z.poll_ready():
             continue
@@ -227,8 +229,8 @@ def _shared_summary(tr, launcher: client.Launcher) -> None:
         if not status.get("served"):
             continue
         tr.write_sep("-", "preload_launcher")
-        tr.write_line(f"shared zygote {status['pid']}: served {status['served']} steps for the "
-                      f"workers, preloaded {', '.join(status['preload'].get('loaded', []))}")
+        tr.write_line(f"shared zygote {status['pid']}: served {status['served']} steps for "
+                      f"{whom}, preloaded {', '.join(status['preload'].get('loaded', []))}")
         packing = status.get("gpus")
         if packing and packing.get("granted_steps"):
             tr.write_line(f"GPU packing over {','.join(packing['pool'])}: "

@@ -249,7 +249,8 @@ class ZygoteProcess:
         return dict(self.status.get("preload", {}).get("import_env", {}))
 
     def env_mismatch(self, env: Mapping[str, str]) -> list[str]:
-        return import_env_mismatch(self.import_env, env)
+        preload = self.status.get("preload", {})
+        return import_env_mismatch(self.import_env, env, preload.get("set_while_importing"))
 
     def matches(self, env: Mapping[str, str]) -> bool:
         return not self.env_mismatch(env)

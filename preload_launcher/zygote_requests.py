@@ -173,7 +173,9 @@ class ZygoteRequests:
         or why the real program must run (not served, or an environment the preload's imports
         would have seen differently). A spawned interpreter's command line is multiprocessing's
         own, parsed by the child; its parent may still have changed the environment."""
-        differs = import_env_mismatch(self.report.import_env if self.report else {}, spec["env"])
+        report = self.report
+        differs = import_env_mismatch(report.import_env if report else {}, spec["env"],
+                                      report.set_while_importing if report else None)
         if differs:
             return f"its environment differs from the preload's in {', '.join(differs[:3])}"
         if spec.get("spawned"):
