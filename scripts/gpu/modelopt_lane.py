@@ -1,6 +1,11 @@
-"""Model-Optimizer's example tests both ways in one call: as the suite runs them (each step a plain
-subprocess) and with ``_run_capturing`` swapped for the launcher (scripts/gpu/modelopt_lane_swap.py),
-each way a fresh pytest session, the launcher's from an empty cache.
+"""Model-Optimizer's example tests in several ways in one call, each way a fresh pytest session,
+the launcher's from an empty cache:
+
+* ``subprocess``: as the suite runs them (each step a plain subprocess);
+* ``launcher``: ``_run_capturing`` swapped for the launcher (scripts/gpu/modelopt_lane_swap.py);
+* ``suite``: nothing swapped, ``PRELOAD_LAUNCHER=suite`` (every interpreter the tests start);
+* ``forked``: as ``suite``, with pytest itself forked from a daemon: ``preload-launcher serve
+  --detach`` then ``preload-launcher run -- python -m pytest …`` (the wall counts both).
 
     python3 scripts/gpu/modelopt_lane.py --checkout .modelopt --lanes spec,spec_ptq,onnx --out DIR
 
@@ -85,7 +90,7 @@ DROPPED = [
 ]
 
 DEFAULT_MODULES = "torch,transformers,accelerate,datasets,modelopt.torch"
-WAYS = ("launcher", "subprocess")
+WAYS = ("subprocess", "launcher", "suite", "forked")
 
 
 def plugin_installed() -> bool:
@@ -100,7 +105,7 @@ def pytest_command(way: str, tests: list[str], out: str, basetemp: str) -> list[
            "-v", "-rA", "--durations=0", "--strict-markers", "-p", "no:cacheprovider",
            "-p", "modelopt_lane_swap", f"--junitxml={os.path.join(out, way + '.xml')}",
            f"--basetemp={basetemp}"]
-    if way == "launcher":
+    if way != "subprocess":
         if not plugin_installed():  # -p: the plugin by name where the package is on PYTHONPATH
             cmd += ["-p", "preload_launcher.pytest_plugin"]
     else:
@@ -119,7 +124,12 @@ def session_env(way: str, args, cache: str, steps: str) -> dict:
     env.pop("PRELOAD_LAUNCHER", None)
     if way == "subprocess":
         env["PRELOAD_LAUNCHER"] = "0"
+    elif way in ("suite", "forked"):
+        env["PRELOAD_LAUNCHER"] = "suite"
     return env
+
+
+CLI = [sys.executable, "-m", "preload_launcher.cli"]
 
 
 def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
@@ -131,6 +141,9 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     print(f"== {way}: {' '.join(cmd[1:])}\n   cache {cache} (empty: {not os.listdir(cache)})",
           flush=True)
     start = time.perf_counter()
+    if way == "forked":  # a daemon of the suite's preload set, then pytest forked from it
+        subprocess.run(CLI + ["serve", "--detach"], cwd=args.checkout, env=env, check=True)
+        cmd = CLI + ["run", "-v", "--"] + cmd
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=args.checkout, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -145,6 +158,8 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
                 rc = proc.wait()
             print(f"   {way}: stopped after {args.session_limit_s} s (--session-limit-s)", flush=True)
     wall = time.perf_counter() - start
+    if way == "forked":
+        subprocess.run(CLI + ["stop"], cwd=args.checkout, env=env)
     shutil.rmtree(basetemp, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
     return wall, rc, log
@@ -209,51 +224,55 @@ def plugin_summary(log: str) -> list[str]:
 
 
 def report(args, tests, walls: dict, logs: dict) -> str:
-    res = {way: junit_results(os.path.join(args.out, way + ".xml")) for way in walls}
+    """Per test: outcome and call time each way (and subprocess / way); per way: the whole
+    pytest wall, its share of the subprocess wall, parity; the steps; the plugin's summaries."""
+    ways = [w for w in WAYS if w in walls]
+    res = {way: junit_results(os.path.join(args.out, way + ".xml")) for way in ways}
     steps = step_seconds(os.path.join(args.out, "steps.jsonl"))
-    names = list(dict.fromkeys(n for way in walls for n in res[way]))
+    names = list(dict.fromkeys(n for way in ways for n in res[way]))
     out = [f"# Model-Optimizer example tests, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
            f"on {os.uname().nodename}; Python {sys.version.split()[0]}; {gpu_line()}",
            f"# checkout {args.checkout} at {checkout_commit(args.checkout)}; lanes {args.lanes}; "
-           f"preload {args.modules}; each way a fresh pytest session, launcher from an empty cache",
-           "", f"{'test':66} {'subprocess':>16} {'launcher':>16} {'ratio':>6}  steps sub/launch"]
+           f"preload {args.modules}; each way a fresh pytest session, launcher from an empty cache; "
+           f"order {args.ways}", "",
+           f"{'test':58} " + " ".join(f"{w:>16}" for w in ways) + "  steps (s) per way"]
     for name in names:
-        row = [f"{name[:66]:66}"]
-        for way in ("subprocess", "launcher"):
-            outcome, secs, _ = res.get(way, {}).get(name, ("-", 0.0, ""))
-            row.append(f"{outcome[:6]:>7} {secs:7.1f}s" if way in walls else f"{'-':>16}")
-        sub, lau = res.get("subprocess", {}).get(name), res.get("launcher", {}).get(name)
-        ratio = f"{sub[1] / lau[1]:5.1f}x" if sub and lau and lau[1] > 0.05 else "     -"
-        ss = sum(r["seconds"] for r in steps.get(("subprocess", name), []))
-        ls = sum(r["seconds"] for r in steps.get(("launcher", name), []))
-        out.append(" ".join(row) + f" {ratio}  {ss:.1f}/{ls:.1f}s")
-    for way in WAYS:
-        if way in walls:
-            counts = {}
-            for outcome, _, _ in res[way].values():
-                counts[outcome] = counts.get(outcome, 0) + 1
-            out.append(f"whole pytest wall, {way:10}: {walls[way][0]:7.1f} s (exit {walls[way][1]}; "
-                       f"{', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})")
-    if len(walls) == 2:
-        share = walls["launcher"][0] / walls["subprocess"][0]
-        out.append(f"launcher wall / subprocess wall = {share:.0%} (goal <= 40%: "
-                   f"{'met' if share <= 0.40 else 'missed'}); speed-up {1 / share:.2f}x")
-        broken = [n for n in names if res["subprocess"].get(n, ("",))[0] == "passed"
-                  and res["launcher"].get(n, ("",))[0] != "passed"]
-        out.append("parity: every test that passed as subprocesses passed through the launcher"
-                   if not broken else f"PARITY BROKEN: {broken}")
-        for n in names:
-            for way in WAYS:
-                outcome, _, msg = res[way].get(n, ("", 0, ""))
-                if outcome in ("failed", "error", "skipped"):
-                    out.append(f"  {way} {outcome} {n}: {msg}")
+        row = [f"{name[:58]:58}"]
+        for way in ways:
+            outcome, secs, _ = res[way].get(name, ("-", 0.0, ""))
+            row.append(f"{outcome[:6]:>7} {secs:7.1f}s")
+        per_way = "/".join(f"{sum(r['seconds'] for r in steps.get((w, name), [])):.1f}"
+                           for w in ways)
+        out.append(" ".join(row) + f"  {per_way}")
+    base = walls.get("subprocess")
+    for way in ways:
+        counts = {}
+        for outcome, _, _ in res[way].values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        share = (f"; {walls[way][0] / base[0]:.0%} of subprocess, {base[0] / walls[way][0]:.2f}x"
+                 if base and way != "subprocess" else "")
+        out.append(f"whole pytest wall, {way:10}: {walls[way][0]:7.1f} s (exit {walls[way][1]}; "
+                   f"{', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}){share}")
+    if "subprocess" in res:
+        for way in [w for w in ways if w != "subprocess"]:
+            broken = [n for n in names if res["subprocess"].get(n, ("",))[0] == "passed"
+                      and res[way].get(n, ("",))[0] != "passed"]
+            out.append(f"parity, {way}: every test that passed as subprocesses passed"
+                       if not broken else f"PARITY BROKEN, {way}: {broken}")
+    for n in names:
+        for way in ways:
+            outcome, _, msg = res[way].get(n, ("", 0, ""))
+            if outcome in ("failed", "error", "skipped"):
+                out.append(f"  {way} {outcome} {n}: {msg}")
     out += ["", "steps (test, command, via, reason, seconds):"]
     for (way, test), rows in steps.items():
         for r in rows:
             out.append(f"  {way:10} {test[:55]:55} {r['cmd'][:40]:40} {r['via']:10} "
                        f"{r['seconds']:6.1f}s rc={r['returncode']} {r['reason']}")
-    if "launcher" in logs:
-        out += ["", "launcher plugin summary:"] + ["  " + line for line in plugin_summary(logs["launcher"])]
+    for way in ways:
+        if way != "subprocess":
+            out += ["", f"launcher plugin summary, {way}:"] + \
+                   ["  " + line for line in plugin_summary(logs[way])]
     out += ["", "dropped:"] + [f"  {what}: {why}" for what, why in DROPPED]
     return "\n".join(out) + "\n"
 
@@ -280,7 +299,8 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(LANES)}")
     parser.add_argument("--tests", default="", help="comma-separated node ids instead of --lanes")
     parser.add_argument("--ways", default="launcher,subprocess",
-                        help="order of the two sessions (the first pays cold disk caches)")
+                        help=f"the sessions, in order (the first pays cold disk caches), of "
+                             f"{', '.join(WAYS)}")
     parser.add_argument("--modules", default=DEFAULT_MODULES, help="the launcher's preload set")
     parser.add_argument("--session-limit-s", type=float, default=540,
                         help="stop a pytest session after this many seconds")

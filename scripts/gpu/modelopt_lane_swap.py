@@ -8,8 +8,8 @@ Model-Optimizer's ``run_example_command`` calls ``_run_capturing(cmd_parts, cwd,
 stderr=STDOUT, text=True)``, prints the output and returns ``(returncode, output)``. This plugin
 replaces that function by one that does the same through ``preload_launcher.run`` (what
 ``preload_launcher.run_capturing`` does, keeping the result's ``via``/``reason`` for the lane's
-log). Nothing of the suite's files is edited. With ``MODELOPT_LANE_WAY=subprocess`` the suite's
-own function stays and is only timed. Each step is appended as one JSON line to
+log). Nothing of the suite's files is edited. With any other ``MODELOPT_LANE_WAY`` (subprocess,
+suite, forked) the suite's own function stays and is only timed. Each step is appended as one JSON line to
 ``$MODELOPT_LANE_STEPS`` (if set): the way, the test, the command, how it ran and why, seconds.
 """
 
@@ -50,7 +50,7 @@ def _timed(original):
     def _run_capturing(cmd_parts, cwd, env):
         start = time.perf_counter()
         returncode, output = original(cmd_parts, cwd, env)
-        _record(cmd_parts, "subprocess", "the suite's own helper", returncode,
+        _record(cmd_parts, os.environ.get("MODELOPT_LANE_WAY", ""), "the suite's own helper", returncode,
                 time.perf_counter() - start)
         return returncode, output
     return _run_capturing
@@ -64,7 +64,7 @@ def pytest_configure(config) -> None:
     module = importlib.import_module(MODULE)
     if not hasattr(module, "_run_capturing"):
         raise RuntimeError(f"{MODULE} has no _run_capturing: the suite changed its helper")
-    if os.environ.get("MODELOPT_LANE_WAY") == "subprocess":
+    if os.environ.get("MODELOPT_LANE_WAY") != "launcher":  # the suite's own helper, timed
         module._run_capturing = _timed(module._run_capturing)
     else:
         module._run_capturing = _run_capturing
