@@ -10,6 +10,7 @@ wall time.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -26,10 +27,14 @@ def session(mode: str, imports: str, ranks: int) -> tuple[float, list[str], str]
     env = dict(os.environ, PRELOAD_LAUNCHER=mode, PRELOAD_LAUNCHER_MODULES=imports,
                POOL_SUITE_IMPORTS=imports, POOL_SUITE_RANKS=str(ranks), POOL_SUITE_OUT=out,
                PRELOAD_LAUNCHER_CACHE_DIR=os.path.join(scratch, "cache"))
+    # Where the package is on PYTHONPATH rather than installed, its plugin by name.
+    installed = any(ep.name == "preload_launcher"
+                    for ep in importlib.metadata.entry_points(group="pytest11"))
+    plugin = [] if installed else ["-p", "preload_launcher.pytest_plugin"]
     start = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               SUITE], env=env, text=True, capture_output=True)
+                               *plugin, SUITE], env=env, text=True, capture_output=True)
         wall = time.perf_counter() - start
         if done.returncode != 0:
             sys.exit(f"{mode}: pytest failed\n{done.stdout}\n{done.stderr}")
