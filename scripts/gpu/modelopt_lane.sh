@@ -25,7 +25,9 @@ KEEP=(pyproject.toml LICENSE modelopt modelopt_recipes tests/conftest.py tests/_
       tests/examples/hf_ptq tests/examples/llm_distill tests/examples/llm_qat
       tests/examples/llm_sparsity tests/examples/megatron_bridge examples/speculative_decoding
       examples/hf_ptq examples/torch_onnx examples/llm_distill examples/llm_qat
-      examples/llm_sparsity examples/megatron_bridge examples/dataset)
+      examples/llm_sparsity examples/megatron_bridge examples/dataset
+      tests/unit/conftest.py tests/unit/torch/conftest.py
+      tests/unit/torch/quantization/test_dist.py tests/unit/torch/quantization/test_autoquant.py)
 
 case "${1:-}" in
 prepare)
