@@ -2,7 +2,7 @@
 
 import pytest
 
-from preload_launcher.settings import (DEFAULT_MODULES, Settings, ZygoteConfig, parse_bool,
+from preload_launcher.settings import (DEFAULT_MODULES, Settings, SettingsError, ZygoteConfig, parse_bool,
                                        preload_modules)
 
 
@@ -71,3 +71,12 @@ def test_the_zygote_config_survives_its_trip_on_the_command_line():
     config = ZygoteConfig(modules=["torch"], listen_fd=3, ready_fd=4, socket_path="/s.sock",
                           cache_dir="/c", project="/p", alive_fd=5, prewarm=True, prewarm_ranks=2)
     assert ZygoteConfig.from_json(config.to_json()) == config
+
+
+def test_preload_launcher_suite_is_on_and_suite_wide():
+    wanted = Settings.from_env({"PRELOAD_LAUNCHER": "Suite"})
+    assert (wanted.enabled, wanted.toggle, wanted.suite_wide) == (True, True, True)
+    assert Settings.from_env({"PRELOAD_LAUNCHER": "1"}).suite_wide is None  # the plugin decides
+    assert Settings.from_env({"PRELOAD_LAUNCHER": "0"}).suite_wide is False
+    with pytest.raises(SettingsError, match="or suite"):
+        Settings.from_env({"PRELOAD_LAUNCHER": "everywhere"})

@@ -91,3 +91,15 @@ def test_switched_off_the_suite_starts_plain_programs(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert all(not any(f) for f in forked(recorded).values())
     assert "suite-wide" not in done.stdout
+
+
+@pytest.mark.parametrize("mode, extra, served", [
+    ("1", ["--preload-launcher-suite"], True),
+    ("1", ["-o", "preload_launcher_suite=true"], True),
+    ("0", ["--preload-launcher-suite"], False),  # the variable wins: off
+])
+def test_the_option_and_the_ini_key_switch_it_too(tmp_path, mode, extra, served):
+    done, recorded = run_suite(tmp_path, mode, *extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert all(all(forked(recorded)[name]) == served and forked(recorded)[name]
+               for name in SERVED), forked(recorded)
