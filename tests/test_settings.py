@@ -2,8 +2,8 @@
 
 import pytest
 
-from preload_launcher.settings import (DEFAULT_MODULES, Settings, SettingsError, ZygoteConfig, parse_bool,
-                                       preload_modules)
+from preload_launcher.settings import (DEFAULT_MODULES, Settings, SettingsError, ZygoteConfig,
+                                       parse_bool, preload_modules)
 
 
 @pytest.mark.parametrize("word", ["1", "true", "TRUE", "yes", "On", " on "])
