@@ -37,7 +37,10 @@ def run_suite(tmp_path, mode: str, *extra: str):
     shutil.copy(program("suite_ways.py"), suite / "test_ways.py")
     results = tmp_path / f"results-{mode}"
     results.mkdir()
-    env = dict(os.environ, PRELOAD_LAUNCHER=mode, PRELOAD_LAUNCHER_MODULES="colorsys",
+    # This interpreter's folder first on PATH, as an activated virtualenv has it: `python3`
+    # names this interpreter.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = dict(os.environ, PATH=path, PRELOAD_LAUNCHER=mode, PRELOAD_LAUNCHER_MODULES="colorsys",
                SUITE_PROBE=program("suite_probe.py"), SUITE_RESULTS=str(results),
                SUITE_OTHER_PYTHON=other_python())
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
