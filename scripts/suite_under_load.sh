@@ -18,8 +18,12 @@ status=0
 for run in $(seq "$runs"); do
   start=$(date +%s)
   log=$(mktemp -t suite-under-load.XXXXXX)
-  "$py" -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1
+  # A temporary directory of its own: the suite's leftover check then sees only what the suite
+  # itself left, not other jobs' files appearing in /tmp meanwhile.
+  tmp=$(mktemp -d -t suite-under-load-tmp.XXXXXX)
+  TMPDIR=$tmp "$py" -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1
   code=$?
+  rm -rf "$tmp"
   [ "$code" -eq 0 ] || status=1
   echo "run $run: exit $code in $(( $(date +%s) - start )) s, load $(cut -d' ' -f1-3 /proc/loadavg): $(tail -n 1 "$log")"
   [ "$code" -eq 0 ] || grep -E "^(FAILED|ERROR)|left in" "$log"
