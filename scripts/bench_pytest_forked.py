@@ -1,0 +1,105 @@
+"""pytest itself forked from a warm daemon, against plain pytest with the plugin, on a fresh
+private cache and runtime directory (as on a fresh CI machine):
+
+  1. plain      ``python -m pytest SUITE`` (the plugin on: its own zygote serves the steps)
+  2. first      ``preload-launcher run -- python -m pytest SUITE`` with no daemon yet
+  3. warm x N   the same once the daemon the first call started is ready: pytest is forked
+                from it, and so are the suite's steps
+
+    python scripts/bench_pytest_forked.py                 # scripts/example_suite, the demo's preload
+    python scripts/bench_pytest_forked.py --suite DIR --preload torch --warm 5
+
+Every call must pass; the daemon is stopped and the directories removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+DEMO_PRELOAD = "torch,megatron.core,modelopt.torch"  # what scripts/demo.py preloads
+CLI = [sys.executable, "-m", "preload_launcher.cli"]
+DAEMON_WAIT_S = 900.0
+
+
+def timed(command: list[str], env: dict, cwd: str) -> tuple[float, str, str]:
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return wall, done.stdout, done.stderr
+
+
+def summary(stdout: str, stderr: str) -> str:
+    """How pytest ran (``run -v``) and how its steps ran (the plugin's summary)."""
+    lines = [line.replace("[preload-launcher] ", "") for line in stderr.splitlines()
+             if line.startswith("[preload-launcher] ran through")]
+    lines += [line for line in stdout.splitlines()
+              if line.startswith(("steps via zygote", "zygotes started"))]
+    return "; ".join(lines)
+
+
+def wait_for_daemon(env: dict) -> float:
+    start = time.perf_counter()
+    while subprocess.run([*CLI, "status"], env=env, capture_output=True).returncode != 0:
+        if time.perf_counter() - start > DAEMON_WAIT_S:
+            sys.exit("the daemon the first call started did not come up")
+        time.sleep(0.5)
+    return time.perf_counter() - start
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", default=os.path.join(HERE, "example_suite"))
+    parser.add_argument("--preload", default=DEMO_PRELOAD)
+    parser.add_argument("--warm", type=int, default=3, help="warm calls after the first")
+    args = parser.parse_args()
+    suite = os.path.abspath(args.suite)
+    private = tempfile.mkdtemp(prefix="pl-bench-pytest-")
+    os.chmod(private, 0o700)
+    os.makedirs(os.path.join(private, "run"), mode=0o700)
+    pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PRELOAD_LAUNCHER_MODULES=args.preload, PYTHONPATH=pythonpath,
+               PRELOAD_LAUNCHER_CACHE_DIR=os.path.join(private, "cache"),
+               XDG_RUNTIME_DIR=os.path.join(private, "run"))
+    for name in ("PRELOAD_LAUNCHER", "PRELOAD_LAUNCHER_PROFILE", "PRELOAD_LAUNCHER_AUTOSERVE"):
+        env.pop(name, None)
+    pytest = [sys.executable, "-m", "pytest", suite, "-q", "-p", "no:cacheprovider"]
+    through_run = [*CLI, "run", "-v", "--", *pytest]
+    print(f"suite {suite}, preload {args.preload}; load average {load()}", flush=True)
+    try:
+        wall, out, err = timed(pytest, env, suite)
+        print(f"plain pytest (plugin on)        {wall:6.2f} s  {summary(out, err)}", flush=True)
+        wall, out, err = timed(through_run, env, suite)
+        print(f"run -- pytest, no daemon yet    {wall:6.2f} s  {summary(out, err)}", flush=True)
+        print(f"  the daemon it started was ready {wait_for_daemon(env):.1f} s after it ended",
+              flush=True)
+        warm = []
+        for i in range(args.warm):
+            wall, out, err = timed(through_run, env, suite)
+            warm.append(wall)
+            print(f"run -- pytest, warm {i + 1}          {wall:6.2f} s  {summary(out, err)}",
+                  flush=True)
+        if warm:
+            print(f"warm median {statistics.median(warm):.2f} s; load average {load()}")
+    finally:
+        subprocess.run([*CLI, "stop", "--all"], env=env, capture_output=True)
+        shutil.rmtree(private, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
