@@ -29,7 +29,7 @@ from .program_exit import exit_status_of
 from .settings import Settings
 
 __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
-           "exit_with", "exit_status_of", "die_with_parent", "close_fds"]
+           "exit_with", "exit_status_of", "die_with_parent", "close_fds", "forked_by"]
 
 PR_SET_PDEATHSIG = 1
 REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
