@@ -164,6 +164,41 @@ def launcher_interpreter(args: list[str], env: dict[str, str], cwd: str) -> str:
     return sys.executable
 
 
+BINPRM_BUF_SIZE = 256  # Linux reads this much of a script for its ``#!`` line
+
+
+def console_script_interpreter(path: str) -> Optional[str]:
+    """The interpreter the kernel starts an executable ``path`` with when it is a console
+    script of this interpreter (``pytest``, a ``pip install``'s entry points): its ``#!`` line
+    names exactly this interpreter, by an absolute path and without options. None for anything
+    else (a wrapper, ``env``, a shell, another python, a file not executable)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(BINPRM_BUF_SIZE)
+    except OSError:
+        return None
+    line, newline, _ = head.partition(b"\n")
+    if not (line.startswith(b"#!") and newline and os.access(path, os.X_OK)):
+        return None
+    words = line[2:].strip(b" \t").split(b" ")
+    interpreter = os.fsdecode(words[0])
+    if len(words) != 1 or b"\t" in words[0] or not os.path.isabs(interpreter):
+        return None  # an option, or a name the kernel would look up relative to the cwd
+    return interpreter if _same_file_and_dir(interpreter, sys.executable) else None
+
+
+def _console_script_step(args: list[str], env: dict[str, str], cwd: str) -> Optional[StepSpec]:
+    """``pytest …`` as python runs it once the kernel has read the ``#!`` line:
+    ``INTERPRETER SCRIPT ARGS``, with SCRIPT as found on PATH (``sys.argv[0]``)."""
+    found = args[0] if os.sep in args[0] else shutil.which(args[0], path=env.get("PATH", os.defpath))
+    interpreter = console_script_interpreter(os.path.join(cwd, found)) if found else None
+    if interpreter is None:
+        return None
+    target = PythonTarget(kind="script", value=found, args=list(args[1:]), prog=interpreter,
+                          executable=_invoked_path(interpreter, env, cwd))
+    return StepSpec(args=list(args), env=env, cwd=cwd, target=target)
+
+
 def _looks_like_python(program: str) -> bool:
     name = os.path.basename(program)
     return (name in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
@@ -239,6 +274,12 @@ def check_exec_limits(args: list[str], env: dict[str, str]) -> None:
         raise OSError(errno.E2BIG, os.strerror(errno.E2BIG), args[0] if args else None)
 
 
+def _verbose_refusal(env: dict[str, str]) -> Optional[Unsupported]:
+    if env.get("PYTHONVERBOSE"):
+        return Unsupported("PYTHONVERBOSE: a fresh interpreter reports every import, preloaded ones too")
+    return None
+
+
 def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepSpec, Unsupported]:
     """Classify ``args``: a python step, a torchrun step, or ``Unsupported`` with a reason."""
     if not args:
@@ -254,14 +295,19 @@ def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepS
             return Unsupported(f"accelerate {' '.join(args[1:2])} is not a launch")
         return StepSpec(args=list(args), env=env, cwd=cwd, accelerate_args=list(args[2:]))
     if not _looks_like_python(program):
-        return Unsupported(f"{os.path.basename(program)} is not a python interpreter")
+        script = _console_script_step(args, env, cwd)
+        if script is None:
+            return Unsupported(f"{os.path.basename(program)} is not a python interpreter or a "
+                               f"console script of {sys.executable}")
+        return _verbose_refusal(env) or script
     if not resolves_to_this_interpreter(program, env, cwd):
         return Unsupported(f"{program} does not run {sys.executable}")
     target = parse_python_argv(list(args))
     if isinstance(target, Unsupported):
         return target
-    if env.get("PYTHONVERBOSE"):
-        return Unsupported("PYTHONVERBOSE: a fresh interpreter reports every import, preloaded ones too")
+    refusal = _verbose_refusal(env)
+    if refusal:
+        return refusal
     target.executable = _invoked_path(program, env, cwd)
     if target.kind == "module" and target.value == "torch.distributed.run":
         return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(target.args))

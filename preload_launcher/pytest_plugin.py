@@ -9,6 +9,7 @@ then the ``preload_launcher_modules`` ini key, then the default.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Optional
 
@@ -115,7 +116,8 @@ def _start_session_launcher(config: pytest.Config, option: Optional[bool],
     gpus = wanted.gpus or settings.parse_gpus(
         config.getini("preload_launcher_gpus") or "", "preload_launcher_gpus ini option")
     worker = getattr(config, "workerinput", None)
-    shared = (worker or {}).get("preload_launcher_socket") or _matching_daemon(modules)
+    shared = ((worker or {}).get("preload_launcher_socket") or _forking_zygote(modules)
+              or _matching_daemon(modules))
     launcher = client.Launcher(modules, profile=str(config.rootpath / profile) if profile else None,
                                gpus=gpus, shared_socket=shared)
     client.set_session_launcher(launcher)  # run() in this process uses the session's zygote
@@ -132,6 +134,22 @@ def _start_session_launcher(config: pytest.Config, option: Optional[bool],
     if resolve_suite_wide(config):
         suite_wide.install(launcher)
         config.stash[suite_key] = True
+
+
+def _forking_zygote(modules) -> str:
+    """The socket of the zygote that forked this pytest (``preload-launcher run -- pytest``)
+    when it preloads this preload set for this environment, or "": its steps are then forked
+    beside this pytest instead of from a second zygote."""
+    # Every process a zygote forked has the runtime loaded; a fresh pytest need not import it.
+    runtime = sys.modules.get(f"{__package__}.runtime")
+    socket_path = getattr(runtime, "forked_by", "")
+    if not socket_path:
+        return ""
+    try:
+        zygote = client.ZygoteProcess.attach(socket_path)
+    except (OSError, ValueError):  # a one-off zygote that is gone, or not one of ours
+        return ""
+    return socket_path if zygote.modules == list(modules) and zygote.matches(os.environ) else ""
 
 
 def _matching_daemon(modules) -> str:

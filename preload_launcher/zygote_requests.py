@@ -223,7 +223,8 @@ class ZygoteRequests:
                                    self.config.project, self.spawn_executable,
                                    self.settings.prewarm_cuda,
                                    {package: info["cut"] for package, info in
-                                    (self.report.deferred if self.report else {}).items()})
+                                    (self.report.deferred if self.report else {}).items()},
+                                   socket_path=self.config.socket_path)
 
     def fill_warm_pool(self) -> None:
         if (self.warm and not self.stopping and not self.restart_reason

@@ -48,3 +48,21 @@ def test_spec_round_trips_as_json():
     spec = parse_command([sys.executable, "-c", "pass", "\udcff"], ENV, "/tmp")
     again = StepSpec.from_json_dict(spec.to_json_dict())
     assert again == spec
+
+
+def test_only_a_console_script_naming_this_interpreter_alone_is_served(tmp_path):
+    """A ``#!`` line with an option, ``env``, a shell or another interpreter: the real program."""
+    env = dict(ENV, PATH=f"{tmp_path}{os.pathsep}{ENV['PATH']}")
+    lines = {"plain": f"#!{sys.executable}", "spaced": f"#!  {sys.executable}  ",
+             "option": f"#!{sys.executable} -u", "env": "#!/usr/bin/env python3",
+             "shell": "#!/bin/sh", "other": "#!/no/such/python3", "relative": "#!python3"}
+    for name, line in lines.items():
+        (tmp_path / name).write_text(f"{line}\nprint('x')\n")
+        (tmp_path / name).chmod(0o755)
+    (tmp_path / "not_executable").write_text(f"#!{sys.executable}\n")
+    served = {name for name in [*lines, "not_executable"]
+              if isinstance(parse_command([name, "a"], env, str(tmp_path)), StepSpec)}
+    assert served == {"plain", "spaced"}
+    t = parse_command(["plain", "a"], env, "/").target
+    assert (t.kind, t.value, t.args, t.prog) == ("script", str(tmp_path / "plain"), ["a"],
+                                                 sys.executable)

@@ -138,3 +138,62 @@ def test_sigkilled_daemon_is_replaced_on_the_next_run(daemon_env):
     assert out.stdout == "again\n" and "gone" in out.stderr
     new = status(env)["pid"]
     assert new != old
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A test that runs a step and records who forked the pytest around it and the step.
+SUITE_TEST = """
+import json, os, sys
+import preload_launcher
+
+def test_step():
+    step = preload_launcher.run([sys.executable, "-c", "import greeting, os; print(os.getppid())"])
+    assert step.returncode == 0, step.stdout
+    seen = {"pytest_parent": os.getppid(), "step_parent": int(step.stdout), "via": step.via}
+    with open(os.environ["SEEN_FILE"], "w") as f:
+        json.dump(seen, f)
+"""
+
+
+def with_this_checkout(env):
+    """The suite's pytest loads this checkout's plugin, wherever it runs."""
+    return dict(env, PYTHONPATH=f"{env['PYTHONPATH']}{os.pathsep}{REPO}")
+
+
+def pytest_from_the_launcher(env, tmp_path, *run_args):
+    """``preload-launcher run -v RUN_ARGS SUITE``: its output, and what the suite's test saw."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "pytest.ini").write_text("[pytest]\n")
+    (suite / "test_one.py").write_text(SUITE_TEST)
+    env = dict(env, SEEN_FILE=str(tmp_path / "seen.json"))
+    out = cli(env, "run", "-v", *run_args, str(suite), "-q", "-p", "no:cacheprovider")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out, json.loads((tmp_path / "seen.json").read_text())
+
+
+def test_pytest_forked_from_the_daemon_runs_its_steps_from_it_too(daemon_env, tmp_path):
+    """``run -- pytest``: the console script is forked from the daemon, and the plugin inside
+    forks the suite's steps from that same daemon instead of starting a zygote."""
+    env, _, _ = daemon_env
+    installed = os.path.join(os.path.dirname(PY), "pytest")
+    if not os.path.exists(installed):
+        pytest.skip("no pytest console script beside this interpreter")
+    env = dict(with_this_checkout(env), PATH=f"{os.path.dirname(PY)}{os.pathsep}{env['PATH']}")
+    assert cli(env, "serve", "--detach").returncode == 0
+    before = status(env)
+    out, seen = pytest_from_the_launcher(env, tmp_path, "--", "pytest")
+    assert f"ran through the daemon (pid {before['pid']}), via zygote" in out.stderr
+    assert seen == {"pytest_parent": before["pid"], "step_parent": before["pid"], "via": "zygote"}
+    assert "zygotes started: 0" in out.stdout, out.stdout
+    assert status(env)["served"] == before["served"] + 2
+
+
+def test_pytest_forked_from_a_one_off_zygote_runs_its_steps_from_it(daemon_env, tmp_path):
+    """Without a daemon (``--no-daemon``), the zygote that forked pytest serves its steps."""
+    env = with_this_checkout(daemon_env[0])
+    out, seen = pytest_from_the_launcher(env, tmp_path, "--no-daemon", "--", PY, "-m", "pytest")
+    assert "ran through a one-off zygote, via zygote" in out.stderr
+    assert seen["pytest_parent"] == seen["step_parent"] and seen["via"] == "zygote"
+    assert "zygotes started: 0" in out.stdout, out.stdout
+    assert status(env) is None  # no daemon was started either

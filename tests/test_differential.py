@@ -1,6 +1,7 @@
 """The same programs as plain subprocesses and through run(): every observation must agree."""
 import json
 import os
+import sys
 
 import pytest
 
@@ -94,3 +95,42 @@ def test_interleaved_output_order_is_kept(light):
             "    print('err', i, file=sys.stderr, flush=True)\n")
     ref, got = plain([PY, "-c", code]), light.run([PY, "-c", code])
     assert got.stdout == ref.stdout
+
+
+CONSOLE_SCRIPT = (
+    "import json, sys\n"
+    "print(json.dumps({'argv': sys.argv, 'executable': sys.executable, 'orig_argv': sys.orig_argv,\n"
+    "                  'path0': sys.path[0], 'file': __file__, 'name': __name__}))\n"
+    "sys.exit(5)\n")
+
+
+def another_name_of_this_interpreter() -> str:
+    """A sibling name of sys.executable (python3.X beside python3): the ``#!`` line's name is
+    the program's sys.executable, not ours."""
+    folder = os.path.dirname(PY)
+    names = ["python", "python3", "python{}.{}".format(*sys.version_info[:2])]
+    others = [os.path.join(folder, n) for n in names if os.path.join(folder, n) != PY]
+    return next((p for p in others if os.path.exists(p)
+                 and os.path.realpath(p) == os.path.realpath(PY)), PY)
+
+
+@pytest.mark.parametrize("form", ["on-path", "absolute", "relative", "linked-on-path"])
+def test_a_console_script_of_this_interpreter_runs_as_the_kernel_starts_it(light, tmp_path, form):
+    """``pytest …`` and the like: a file whose ``#!`` line names this interpreter is python
+    started with the script as found (argv[0]) and the ``#!`` line's interpreter."""
+    bin_dir, links = tmp_path / "bin", tmp_path / "links"
+    bin_dir.mkdir()
+    links.mkdir()
+    tool = bin_dir / "tool"
+    tool.write_text(f"#!{another_name_of_this_interpreter()}\n{CONSOLE_SCRIPT}")
+    tool.chmod(0o755)
+    (links / "linked").symlink_to(tool)
+    env = dict(os.environ, PATH=f"{links}{os.pathsep}{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    command = {"on-path": "tool", "absolute": str(tool), "relative": "bin/tool",
+               "linked-on-path": "linked"}[form]
+    args = [command, "an arg", "--flag"]
+    ref = plain(args, cwd=str(tmp_path), env=env)
+    got = light.run(args, cwd=str(tmp_path), env=env)
+    assert got.via == "zygote", got.reason
+    assert (got.returncode, ref.returncode) == (5, 5)
+    assert json.loads(got.stdout) == json.loads(ref.stdout)

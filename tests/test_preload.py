@@ -178,6 +178,26 @@ def test_variables_set_by_preloaded_imports_are_seen_as_after_a_fresh_import(fak
         launcher.close()
 
 
+def test_a_step_passing_on_a_default_the_preload_published_is_served_by_it(fake_site):
+    """A program that imported the stack passes on what its imports set (torch's inductor
+    cache directory): its steps fit the zygote whose imports set the same value."""
+    site, env, _ = fake_site
+    (site / "publishes.py").write_text(
+        "import os\nDIR = os.environ.get('PUBLISHED_DIR') or '/no/such/published'\n"
+        "os.environ['PUBLISHED_DIR'] = DIR\n")
+    launcher = Launcher(["publishes"])
+    code = "import os, publishes; print(publishes.DIR, os.environ['PUBLISHED_DIR'])"
+    try:
+        for value, zygotes in ((None, 1), ("/no/such/published", 1), ("/elsewhere", 2)):
+            step_env = dict(env, **({"PUBLISHED_DIR": value} if value else {}))
+            got = launcher.run([PY, "-c", code], env=step_env)
+            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
+            assert (got.via, got.stdout) == ("zygote", ref.stdout)
+            assert len(launcher.zygotes) == zygotes, value
+    finally:
+        launcher.close()
+
+
 def test_a_module_that_copies_the_environment_does_not_pin_every_variable(fake_site):
     site, env, _ = fake_site
     (site / "copies_env.py").write_text(
