@@ -47,20 +47,23 @@ def pin_for_preload() -> Optional[list[int]]:
 
 @contextlib.contextmanager
 def _threadpoolctl() -> Iterator:
-    """threadpoolctl (or None), used and then forgotten: its import sets
-    ``KMP_DUPLICATE_LIB_OK``, which a step's fresh interpreter has only if it imports
-    threadpoolctl itself, and then it should run that import itself."""
+    """threadpoolctl (or None), imported without a trace: its import sets
+    ``KMP_DUPLICATE_LIB_OK`` and registers the module. Both are undone at once, before the
+    preload's imports run, so that they see the environment a fresh interpreter has, and a
+    preloaded module that imports threadpoolctl runs that import (and sets the variable)
+    itself, as it would in a fresh interpreter."""
     before = os.environ.get("KMP_DUPLICATE_LIB_OK")
+    imported_already = "threadpoolctl" in sys.modules
     try:
         import threadpoolctl
     except ImportError:
         threadpoolctl = None
-    try:
-        yield threadpoolctl
     finally:
-        if before is None:
-            os.environ.pop("KMP_DUPLICATE_LIB_OK", None)
-        sys.modules.pop("threadpoolctl", None)
+        if not imported_already:
+            sys.modules.pop("threadpoolctl", None)
+            if before is None:
+                os.environ.pop("KMP_DUPLICATE_LIB_OK", None)
+    yield threadpoolctl
 
 
 @contextlib.contextmanager

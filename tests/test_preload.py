@@ -198,6 +198,27 @@ def test_a_step_passing_on_a_default_the_preload_published_is_served_by_it(fake_
         launcher.close()
 
 
+def test_a_preloaded_module_that_imports_threadpoolctl_runs_that_import_itself(fake_site):
+    """The zygote uses threadpoolctl while preloading; a preloaded module importing it must still
+    run its import (which sets KMP_DUPLICATE_LIB_OK), as in a fresh interpreter, and a caller
+    whose own imports set that variable is served by the same zygote (differential)."""
+    pytest.importorskip("threadpoolctl")
+    site, env, _ = fake_site
+    (site / "pools_threads.py").write_text("import threadpoolctl\n")
+    launcher = Launcher(["pools_threads"])
+    code = ("import os, sys, pools_threads; "
+            "print(os.environ.get('KMP_DUPLICATE_LIB_OK'), 'threadpoolctl' in sys.modules)")
+    try:
+        for value in (None, "True"):
+            step_env = dict(env, **({"KMP_DUPLICATE_LIB_OK": value} if value else {}))
+            got = launcher.run([PY, "-c", code], env=step_env)
+            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
+            assert (got.via, got.stdout) == ("zygote", ref.stdout), value
+            assert len(launcher.zygotes) == 1, value
+    finally:
+        launcher.close()
+
+
 def test_a_module_that_copies_the_environment_does_not_pin_every_variable(fake_site):
     site, env, _ = fake_site
     (site / "copies_env.py").write_text(
