@@ -53,6 +53,13 @@ class Quarantined(Exception):
         self.skip = skip
 
 
+# Values the stack's imports set wherever they run, even when not here: threadpoolctl's import
+# sets KMP_DUPLICATE_LIB_OK=True (setdefault), so a caller whose own imports ran it (through a
+# package deferred here, such as torch_geometric) holds that value. It tells an OpenMP runtime
+# loaded later to tolerate a second copy, and the step's environment still says so.
+IMPORT_DEFAULTS = {"KMP_DUPLICATE_LIB_OK": "True"}
+
+
 class Preloader:
     """The configured entries, then the learned ones, with cached verdicts applied."""
 
@@ -136,7 +143,8 @@ class Preloader:
         report.import_env.update({interpreter.FLAG_PREFIX + k: v
                                   for k, v in interpreter.zygote_flags().items()})
         self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
-        report.set_while_importing = {k: v for k, v in self.env_set_by_preload.items()
+        report.set_while_importing = {k: v for k, v in {**IMPORT_DEFAULTS,
+                                                        **self.env_set_by_preload}.items()
                                       if k in report.import_env and start_env.get(k) is None}
         return report
 

@@ -219,6 +219,24 @@ def test_a_preloaded_module_that_imports_threadpoolctl_runs_that_import_itself(f
         launcher.close()
 
 
+def test_a_caller_whose_imports_set_threadpoolctls_default_is_served(fake_site):
+    """A preloaded module only reads KMP_DUPLICATE_LIB_OK; the caller's own imports (of a package
+    the zygote deferred) set threadpoolctl's value: served by the same zygote (differential)."""
+    site, env, _ = fake_site
+    (site / "reads_kmp.py").write_text("import os\nSEEN = os.environ.get('KMP_DUPLICATE_LIB_OK')\n")
+    launcher = Launcher(["reads_kmp"])
+    code = "import os; print(os.environ.get('KMP_DUPLICATE_LIB_OK'))"
+    try:
+        for value in (None, "True"):
+            step_env = dict(env, **({"KMP_DUPLICATE_LIB_OK": value} if value else {}))
+            got = launcher.run([PY, "-c", code], env=step_env)
+            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
+            assert (got.via, got.stdout) == ("zygote", ref.stdout), value
+            assert len(launcher.zygotes) == 1, value
+    finally:
+        launcher.close()
+
+
 def test_a_module_that_copies_the_environment_does_not_pin_every_variable(fake_site):
     site, env, _ = fake_site
     (site / "copies_env.py").write_text(
