@@ -27,6 +27,8 @@ for run in $(seq "$runs"); do
   [ "$code" -eq 0 ] || status=1
   echo "run $run: exit $code in $(( $(date +%s) - start )) s, load $(cut -d' ' -f1-3 /proc/loadavg): $(tail -n 1 "$log")"
   [ "$code" -eq 0 ] || grep -E "^(FAILED|ERROR)|left in" "$log"
+  # A failed run's whole output is kept where SUITE_LOGS says (else dropped).
+  [ "$code" -eq 0 ] || [ -z "${SUITE_LOGS:-}" ] || cp "$log" "$SUITE_LOGS/run$run.log"
   rm -f "$log"
 done
 exit $status

@@ -105,7 +105,7 @@ def test_status_and_stop_see_a_daemon_that_is_starting(env, tmp_path):
 # ---------------------------------------------------------------- settings errors
 
 @pytest.mark.parametrize("variable, value, accepted", [
-    ("PRELOAD_LAUNCHER", "maybe", "(use 1/0, true/false, yes/no, on/off)"),
+    ("PRELOAD_LAUNCHER", "maybe", "(use 1/0, true/false, yes/no, on/off, or suite)"),
     ("PRELOAD_LAUNCHER_IDLE_TIMEOUT_S", "abc", "(a number, at least 0)"),
     ("PRELOAD_LAUNCHER_MODULES", "torch,9lives", "(comma-separated module names"),
 ])
