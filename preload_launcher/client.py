@@ -184,15 +184,23 @@ class Launcher:
 
     def standin_steps(self) -> int:
         """Interpreters the stand-ins handed to this launcher's live zygotes, as they count."""
+        return self.standin_counts()[0]
+
+    def standin_counts(self) -> tuple[int, dict[str, int]]:
+        """(interpreters this launcher's live zygotes forked for stand-ins, {why the others ran
+        the real program: how many})."""
         with self._lock:
             zygotes = [z for z in self.zygotes if z.poll_ready()]
-        total = 0
+        forked, fallbacks = 0, {}
         for z in zygotes:
             try:
-                total += int(z.request("status").get("standin_steps", 0))
+                status = z.request("status")
             except (OSError, ValueError):
-                pass
-        return total
+                continue
+            forked += int(status.get("standin_steps", 0))
+            for reason, n in (status.get("standin_fallbacks") or {}).items():
+                fallbacks[reason] = fallbacks.get(reason, 0) + int(n)
+        return forked, fallbacks
 
     def _retire(self, zygote: ZygoteProcess) -> None:
         with self._lock:

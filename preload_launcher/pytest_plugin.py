@@ -276,8 +276,10 @@ def _suite_wide_summary(tr, config: pytest.Config, launcher: client.Launcher,
         counts[kind] = counts.get(kind, 0) + n
     if separator:
         tr.write_sep("-", "preload_launcher")
+    forked, fallbacks = launcher.standin_counts()
     tr.write_line(f"suite-wide: the tests started {counts['interpreters']} interpreters "
                   f"(python, torchrun, accelerate, console scripts) and {counts['with_standins']} "
                   "other programs with stand-ins on their PATH; stand-ins had the zygote fork "
-                  f"{launcher.standin_steps()} interpreters in all (the others ran the real "
-                  "program)")
+                  f"{forked} interpreters in all")
+    for reason, n in sorted(fallbacks.items(), key=lambda item: -item[1])[:5]:
+        tr.write_line(f"  {n} ran the real program because {reason}")

@@ -55,6 +55,7 @@ class Zygote(ZygoteRequests):
         self.restart_reason = ""
         self.spawn_executable = ""
         self.standin_steps = 0  # interpreters stand-ins asked for and this zygote forked
+        self.standin_fallbacks: dict[str, int] = {}  # why the others ran the real program
         self.gpus = gpus.GpuPool(config.gpus, config.gpus_visible) if config.gpus else None
         self.preloader: Optional[Preloader] = None
         self.fresh_counts: Optional[threads.FreshCounts] = None
@@ -145,6 +146,7 @@ class Zygote(ZygoteRequests):
             "warm_agent_pid": self.warm.pid("torchrun") if self.warm else None,
             "warm_served": self.warm.served if self.warm else 0,
             "standin_steps": self.standin_steps,
+            "standin_fallbacks": self.standin_fallbacks,
             "gpus": self.gpus.describe() if self.gpus else None,
             "stale": self.watch.changes() if self.watch else [],
         }

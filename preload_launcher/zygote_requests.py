@@ -95,19 +95,22 @@ class ZygoteRequests:
 
     def fork_step(self, conn: socket.socket, spec: dict, fds: list[int]) -> None:
         arrived = time.monotonic()
-        if spec.get("nested") or spec.get("spawned"):
+        standin = bool(spec.get("nested") or spec.get("spawned"))
+        if standin:
             spec = self.classify_standin(spec)
             if isinstance(spec, str):  # the stand-in runs the real program
+                self.count_standin_fallback(spec)
                 protocol.send_event(conn, "fallback", reason=spec, retire=False)
                 runtime.close_fds(fds)
                 conn.close()
                 return
-            self.standin_steps += 1
         self.check_staleness()
         dirty = cuda.fork_refusal(self.probe)
         if dirty or self.restart_reason:
             if dirty:
                 say("refusing to fork: %s", dirty)
+            if standin:
+                self.count_standin_fallback(dirty or self.restart_reason)
             # Dirty: the caller retires this zygote. Stale: it retries once we restarted.
             protocol.send_event(conn, "fallback", reason=dirty or self.restart_reason,
                                 retire=bool(dirty), retry=not dirty)
@@ -115,6 +118,8 @@ class ZygoteRequests:
             conn.close()
             self.restart_if_idle()
             return
+        if standin:
+            self.standin_steps += 1
         spec["thread_counts"] = self.thread_counts(spec)
         need = self.gpus.need_of(spec) if self.gpus else 0
         if need:  # packed: it starts once enough GPUs are free
@@ -167,6 +172,11 @@ class ZygoteRequests:
             protocol.send_event(waiting.conn, "exit", returncode=-int(signals[0]))
         waiting.conn.close()
         self.start_granted()  # the head of the queue may have been holding others back
+
+    def count_standin_fallback(self, reason: str) -> None:
+        """Why stand-ins ran the real program, for ``status`` and the pytest summary."""
+        say("a stand-in runs the real program: %s", reason)
+        self.standin_fallbacks[reason] = self.standin_fallbacks.get(reason, 0) + 1
 
     def classify_standin(self, spec: dict):
         """A stand-in's command classified as the client classifies a step: the spec to fork,

@@ -15,7 +15,7 @@ from conftest import program
 
 WAYS = ["sys_executable", "name_on_path", "os_system", "shell_script", "popen_signal",
         "timeout", "asyncio", "os_popen", "multiprocessing_spawn", "switched_off", "venv", "pip",
-        "another_interpreter"]
+        "another_interpreter", "unserved_option"]
 SERVED = {"sys_executable", "name_on_path", "os_system", "shell_script", "asyncio", "os_popen",
           "multiprocessing_spawn"}
 
@@ -71,8 +71,9 @@ def test_every_way_a_test_starts_python_is_served_and_reads_as_plain(tmp_path):
     assert all(not any(f) for f in forked(plain).values())
     for name in SERVED:
         assert forked(served)[name] and all(forked(served)[name]), name
-    assert forked(served)["switched_off"] == [False]
+    assert forked(served)["switched_off"] == forked(served)["unserved_option"] == [False]
     assert "suite-wide: the tests started" in suite_run.stdout
+    assert "1 ran the real program because python option -E is not served" in suite_run.stdout
 
 
 def test_under_xdist_the_workers_launches_are_served_by_the_controllers_zygote(tmp_path):

@@ -139,3 +139,9 @@ def test_another_interpreter():
                            "[os.environ.get('PATH'), sorted(k for k in os.environ "
                            "if 'PRELOAD' in k)]))"], capture_output=True, text=True)
     record("another_interpreter", code=done.returncode, out=done.stdout)
+
+
+def test_unserved_option():
+    """An option the zygote does not model: the real interpreter, and the summary says why."""
+    done = subprocess.run([sys.executable, "-E", PROBE], capture_output=True, text=True)
+    record("unserved_option", code=done.returncode, seen=parse(done.stdout))
