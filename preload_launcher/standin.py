@@ -204,10 +204,8 @@ def embedded_module(name: str, source: str) -> types.ModuleType:
     return module
 
 
-def main(socket_path: str) -> None:
-    invocation = Invocation(sys.argv, dict(os.environ))
-    stdio = open_stdio()  # a closed stdin stays closed in the program
-    fds = stdio + inherited_fds()
+def submit(socket_path: str, invocation: Invocation, fds: list) -> socket.socket:
+    """The request sent to the zygote, or the real program where none answers."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(socket_path)
@@ -217,7 +215,15 @@ def main(socket_path: str) -> None:
     except OSError:
         sock.close()
         invocation.become_real()  # the zygote is gone: the plain way
-    running = False
+    return sock
+
+
+def main(socket_path: str) -> None:
+    invocation = Invocation(sys.argv, dict(os.environ))
+    stdio = open_stdio()  # a closed stdin stays closed in the program
+    fds = stdio + inherited_fds()
+    sock = submit(socket_path, invocation, fds)
+    running, retried = False, False
     reader = protocol.EventReader()
     while True:
         try:
@@ -235,6 +241,12 @@ def main(socket_path: str) -> None:
                 for fd in fds[len(stdio):]:  # the child holds them now
                     os.close(fd)
                 forward_signals(sock)
+            elif kind == "fallback" and event.get("retry") and not retried:
+                # A stale zygote restarts once idle; its listener queues us until it serves.
+                sock.close()
+                sock, retried = submit(socket_path, invocation, fds), True
+                reader = protocol.EventReader()
+                break
             elif kind in ("fallback", "error", "refused") and not running:
                 sock.close()
                 invocation.become_real()  # the program itself reports what went wrong, if anything

@@ -72,6 +72,20 @@ def test_edited_preloaded_module_is_seen_by_the_next_run(daemon_env):
     assert status(env)["pid"] == pid  # restarted in place
 
 
+def test_a_stand_in_waits_for_a_stale_daemons_restart_and_is_forked(daemon_env):
+    """An interpreter a shell step starts, arriving while the daemon is stale, is forked once it
+    restarted (as a step through run() is), not run as the real program."""
+    env, site, _ = daemon_env
+    env = dict(env, PATH=os.pathsep.join([os.path.dirname(PY), env.get("PATH", "")]))
+    cli(env, "serve", "--detach")
+    time.sleep(0.01)
+    (site / "greeting.py").write_text("WORD = 'edited'\n")
+    out = cli(env, "run", "--", "bash", "-c", "python3 -c 'import greeting; print(greeting.WORD)'")
+    assert (out.returncode, out.stdout) == (0, "edited\n"), out.stderr
+    after = status(env)  # the restarted daemon's counts
+    assert (after["standin_steps"], after["standin_fallbacks"]) == (1, {})
+
+
 def test_differing_import_time_env_is_detected(daemon_env):
     env, _, _ = daemon_env
     cli(env, "serve", "--detach")
