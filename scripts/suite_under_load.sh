@@ -20,7 +20,8 @@ for run in $(seq "$runs"); do
   log=$(mktemp -t suite-under-load.XXXXXX)
   # A temporary directory of its own: the suite's leftover check then sees only what the suite
   # itself left, not other jobs' files appearing in /tmp meanwhile.
-  tmp=$(mktemp -d -t suite-under-load-tmp.XXXXXX)
+  # (A short name: sockets the suite makes under it must fit a Unix socket's 108 bytes.)
+  tmp=$(mktemp -d /tmp/sul.XXXXXX)
   TMPDIR=$tmp "$py" -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1
   code=$?
   rm -rf "$tmp"
