@@ -17,7 +17,7 @@ from .rundir import private_runtime_dir
 
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "SettingsError", "ZygoteConfig",
            "parse_bool", "preload_modules", "preload_source", "runtime_dir", "QUARANTINE_ENV",
-           "RESTARTED_ENV", "PER_TEST_ENV", "THREAD_ENV"]
+           "RESTARTED_ENV", "PER_TEST_ENV", "TERMINAL_ENV", "THREAD_ENV"]
 
 DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch")
 
@@ -31,6 +31,11 @@ IMPORT_ENV_KEYS = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBA
 # Set per test by pytest: never in a zygote's environment, never import-relevant (torch_geometric
 # allocates CUDA tensors at import when it is set, pyg#10582).
 PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
+# The terminal's size: readline exports it once loaded, and a resize changes it, so it differs
+# between a suite's processes for no reason an import cares about. A module that reads it at
+# import (accelerate's menus, through shutil.get_terminal_size) keeps the zygote's reading; the
+# step's own environment and calls see the step's (a known difference).
+TERMINAL_ENV = ("COLUMNS", "LINES")
 # Thread counts: set per step, in the step (``threads``); a zygote starts without them.
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 

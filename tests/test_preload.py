@@ -237,6 +237,25 @@ def test_a_caller_whose_imports_set_threadpoolctls_default_is_served(fake_site):
         launcher.close()
 
 
+def test_the_terminal_size_does_not_split_zygotes(fake_site):
+    """A preloaded module that reads the terminal's size at import (accelerate's menus): a
+    caller whose COLUMNS/LINES differ (readline exports them) is served by the same zygote, and
+    the step reads its own size (differential)."""
+    site, env, _ = fake_site
+    (site / "sizes_up.py").write_text("import shutil\nSIZE = shutil.get_terminal_size()\n")
+    launcher = Launcher(["sizes_up"])
+    code = "import os, shutil; print(os.environ.get('COLUMNS'), shutil.get_terminal_size())"
+    try:
+        for size in (None, ("123", "45")):
+            step_env = dict(env, **(dict(COLUMNS=size[0], LINES=size[1]) if size else {}))
+            got = launcher.run([PY, "-c", code], env=step_env)
+            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
+            assert (got.via, got.stdout) == ("zygote", ref.stdout), size
+            assert len(launcher.zygotes) == 1, size
+    finally:
+        launcher.close()
+
+
 def test_a_module_that_copies_the_environment_does_not_pin_every_variable(fake_site):
     site, env, _ = fake_site
     (site / "copies_env.py").write_text(
