@@ -19,14 +19,15 @@ trap 'kill "${pids[@]}" 2>/dev/null' EXIT
 status=0
 for run in $(seq "$runs"); do
   start=$(date +%s)
-  log=$(mktemp -t suite-under-load.XXXXXX)
+  # Not in the temporary directory: the suite fails a run that leaves anything new there.
+  logs=${SUITE_LOGS:-$HOME/.cache/suite-under-load}
+  mkdir -p "$logs"
+  log=$(mktemp "$logs/run$run.XXXXXX")
   "$py" -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1
   code=$?
   [ "$code" -eq 0 ] || status=1
   echo "run $run: exit $code in $(( $(date +%s) - start )) s, load $(cut -d' ' -f1-3 /proc/loadavg): $(tail -n 1 "$log")"
   [ "$code" -eq 0 ] || grep -E "^(FAILED|ERROR)|left in" "$log"
-  # A failed run's whole output is kept where SUITE_LOGS says (else dropped).
-  [ "$code" -eq 0 ] || [ -z "${SUITE_LOGS:-}" ] || cp "$log" "$SUITE_LOGS/run$run.log"
-  rm -f "$log"
+  [ "$code" -eq 0 ] && rm -f "$log"  # a failed run's whole output stays in $logs
 done
 exit $status

@@ -329,7 +329,7 @@ GROUPS_SCRIPT = textwrap.dedent("""\
     if kill -0 $(cat bg.txt) 2>/dev/null; then echo "background child lives on"; kill $(cat bg.txt); fi
     python parent.py > parent.txt &
     pid=$!
-    for i in $(seq 600); do grep -q ready parent.txt 2>/dev/null && break; sleep 0.1; done
+    for i in $(seq 6000); do grep -q ready parent.txt 2>/dev/null && break; sleep 0.1; done  # <= 600 s
     kill -TERM $pid; wait $pid; echo "parent exit $?"; cat parent.txt
     """)
 CHILD = ("import signal, time\n"
@@ -360,9 +360,9 @@ PARENT = textwrap.dedent("""\
 def test_a_stand_ins_program_owns_what_the_real_one_would(torch_launcher, tmp_path):
     (tmp_path / "groups.sh").write_text(GROUPS_SCRIPT)
     (tmp_path / "parent.py").write_text(PARENT)
-    ref = plain(["bash", "groups.sh"], cwd=tmp_path, env=step_env(tmp_path), timeout=180)
+    ref = plain(["bash", "groups.sh"], cwd=tmp_path, env=step_env(tmp_path), timeout=900)
     got = torch_launcher.run(["bash", "groups.sh"], cwd=tmp_path, env=step_env(tmp_path),
-                             timeout=180)
+                             timeout=900)
     assert got.via == "subprocess" and "forked by the zygote" in got.reason
     assert ref.stdout.splitlines() == ["background child lives on", "parent exit 4", "ready",
                                        "child: not signalled"]
