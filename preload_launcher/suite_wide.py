@@ -84,7 +84,10 @@ def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd,
     """``Popen._execute_child`` with the program, or its PATH, redirected (its positional
     parameters up to ``env`` are the same in Python 3.10-3.13; ``shell`` follows as rest[2])."""
     if _launcher is not None and not _launched_by_launcher():
-        executable, env = _redirect(args, executable, cwd, env, shell=rest[2])
+        try:
+            executable, env = _redirect(args, executable, cwd, env, shell=rest[2])
+        except Exception:  # never the launch's undoing: it runs as it would have
+            pass
     return _original_execute_child(self, args, executable, preexec_fn, close_fds, pass_fds,
                                    cwd, env, *rest)
 
