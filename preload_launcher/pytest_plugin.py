@@ -175,9 +175,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if launcher is not None:
         if config.stash.get(suite_key, False):
             suite_wide.uninstall()
-            workeroutput = getattr(config, "workeroutput", None)
-            if workeroutput is not None:  # an xdist worker: its controller sums them up
-                workeroutput["preload_launcher_suite"] = suite_wide.counts()
         client.set_session_launcher(None)
         launcher.close()
 
@@ -254,6 +251,14 @@ def _shared_summary(tr, launcher: client.Launcher, whom: str) -> None:
             tr.write_line(f"GPU packing over {','.join(packing['pool'])}: "
                           f"{packing['granted_steps']} steps granted GPUs; they waited "
                           f"{packing['waited_s']:.1f} s in all for free ones")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands what its tests started to its controller (xdist sends its
+    ``workeroutput`` once every ``pytest_sessionfinish`` ran)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and session.config.stash.get(suite_key, False):
+        workeroutput["preload_launcher_suite"] = suite_wide.counts()
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -184,16 +184,22 @@ def _path_with_standins(env: dict, cwd: str) -> Optional[str]:
 
 
 def _launched_by_launcher() -> bool:
-    """Whether this launch comes from the launcher's own code (a plain step, a zygote, a probe):
-    never redirected. The first caller outside the standard library's launching modules
-    decides (the whole stack would not: in a forked program it starts in the zygote's code)."""
+    """Whether this launch comes from the launcher's own code (a plain step, a zygote, a probe)
+    or starts pytest-xdist's workers (execnet): never redirected. A worker is the suite's own
+    machinery, a long-lived pytest process, not a program a test starts; it uses the
+    controller's zygote for its tests' launches. The first caller outside the standard
+    library's launching modules decides (the whole stack would not: in a forked program it
+    starts in the zygote's code)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__") or ""
         if name not in LAUNCHING_MODULES and not name.startswith("asyncio."):
-            return name.startswith("preload_launcher.")
+            return name.startswith(NEVER_REDIRECTED)
         frame = frame.f_back
     return False
+
+
+NEVER_REDIRECTED = ("preload_launcher.", "execnet.")
 
 
 LAUNCHING_MODULES = ("subprocess", "os", __name__)  # and asyncio's
