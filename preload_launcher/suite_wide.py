@@ -28,7 +28,7 @@ import threading
 from typing import Optional
 
 from . import settings, standin
-from .command import _same_file_and_dir, _shebang_interpreter
+from .command import _same_file_and_dir, _shebang_interpreter, console_script_interpreter
 
 __all__ = ["install", "uninstall", "counts"]
 
@@ -154,15 +154,12 @@ def _find(program: str, env: dict, cwd: str) -> str:
 
 
 def _kind_of(path: str) -> str:
-    """"this interpreter" (the same executable in the same folder, or a ``#!`` script naming it:
-    a console script), "another python" (left alone: its programs are not ours to serve), or
-    "other program"."""
-    if _same_file_and_dir(path, sys.executable):
+    """"this interpreter" (the same executable in the same folder, or a console script of it,
+    by the rule the zygote serves them by), "another python" (left alone: its programs are not
+    ours to serve), or "other program"."""
+    if _same_file_and_dir(path, sys.executable) or console_script_interpreter(path):
         return "this interpreter"
-    interpreter = _shebang_interpreter(path)
-    if interpreter and _same_file_and_dir(interpreter, sys.executable):
-        return "this interpreter"
-    name = os.path.basename(interpreter or path)
+    name = os.path.basename(_shebang_interpreter(path) or path)
     return "another python" if name.startswith("python") else "other program"
 
 

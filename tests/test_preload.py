@@ -178,6 +178,21 @@ def test_variables_set_by_preloaded_imports_are_seen_as_after_a_fresh_import(fak
         launcher.close()
 
 
+def served_like_plain(env: dict, module: str, code: str, cases) -> None:
+    """A launcher preloading ``module`` runs ``code`` once per ``(extra env, zygotes
+    expected after it)``: forked, with the output a plain subprocess prints for that env."""
+    launcher = Launcher([module])
+    try:
+        for extra, zygotes in cases:
+            step_env = dict(env, **extra)
+            got = launcher.run([PY, "-c", code], env=step_env)
+            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
+            assert (got.via, got.stdout) == ("zygote", ref.stdout), extra
+            assert len(launcher.zygotes) == zygotes, extra
+    finally:
+        launcher.close()
+
+
 def test_a_step_passing_on_a_default_the_preload_published_is_served_by_it(fake_site):
     """A program that imported the stack passes on what its imports set (torch's inductor
     cache directory): its steps fit the zygote whose imports set the same value."""
@@ -185,17 +200,10 @@ def test_a_step_passing_on_a_default_the_preload_published_is_served_by_it(fake_
     (site / "publishes.py").write_text(
         "import os\nDIR = os.environ.get('PUBLISHED_DIR') or '/no/such/published'\n"
         "os.environ['PUBLISHED_DIR'] = DIR\n")
-    launcher = Launcher(["publishes"])
     code = "import os, publishes; print(publishes.DIR, os.environ['PUBLISHED_DIR'])"
-    try:
-        for value, zygotes in ((None, 1), ("/no/such/published", 1), ("/elsewhere", 2)):
-            step_env = dict(env, **({"PUBLISHED_DIR": value} if value else {}))
-            got = launcher.run([PY, "-c", code], env=step_env)
-            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
-            assert (got.via, got.stdout) == ("zygote", ref.stdout)
-            assert len(launcher.zygotes) == zygotes, value
-    finally:
-        launcher.close()
+    served_like_plain(env, "publishes", code, [({}, 1),
+                                               ({"PUBLISHED_DIR": "/no/such/published"}, 1),
+                                               ({"PUBLISHED_DIR": "/elsewhere"}, 2)])
 
 
 def test_a_preloaded_module_that_imports_threadpoolctl_runs_that_import_itself(fake_site):
@@ -205,36 +213,19 @@ def test_a_preloaded_module_that_imports_threadpoolctl_runs_that_import_itself(f
     pytest.importorskip("threadpoolctl")
     site, env, _ = fake_site
     (site / "pools_threads.py").write_text("import threadpoolctl\n")
-    launcher = Launcher(["pools_threads"])
     code = ("import os, sys, pools_threads; "
             "print(os.environ.get('KMP_DUPLICATE_LIB_OK'), 'threadpoolctl' in sys.modules)")
-    try:
-        for value in (None, "True"):
-            step_env = dict(env, **({"KMP_DUPLICATE_LIB_OK": value} if value else {}))
-            got = launcher.run([PY, "-c", code], env=step_env)
-            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
-            assert (got.via, got.stdout) == ("zygote", ref.stdout), value
-            assert len(launcher.zygotes) == 1, value
-    finally:
-        launcher.close()
+    served_like_plain(env, "pools_threads", code, [({}, 1), ({"KMP_DUPLICATE_LIB_OK": "True"}, 1)])
 
 
 def test_a_caller_whose_imports_set_threadpoolctls_default_is_served(fake_site):
     """A preloaded module only reads KMP_DUPLICATE_LIB_OK; the caller's own imports (of a package
     the zygote deferred) set threadpoolctl's value: served by the same zygote (differential)."""
     site, env, _ = fake_site
-    (site / "reads_kmp.py").write_text("import os\nSEEN = os.environ.get('KMP_DUPLICATE_LIB_OK')\n")
-    launcher = Launcher(["reads_kmp"])
+    (site / "reads_kmp.py").write_text(
+        "import os\nSEEN = os.environ.get('KMP_DUPLICATE_LIB_OK')\n")
     code = "import os; print(os.environ.get('KMP_DUPLICATE_LIB_OK'))"
-    try:
-        for value in (None, "True"):
-            step_env = dict(env, **({"KMP_DUPLICATE_LIB_OK": value} if value else {}))
-            got = launcher.run([PY, "-c", code], env=step_env)
-            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
-            assert (got.via, got.stdout) == ("zygote", ref.stdout), value
-            assert len(launcher.zygotes) == 1, value
-    finally:
-        launcher.close()
+    served_like_plain(env, "reads_kmp", code, [({}, 1), ({"KMP_DUPLICATE_LIB_OK": "True"}, 1)])
 
 
 def test_the_terminal_size_does_not_split_zygotes(fake_site):
@@ -243,17 +234,8 @@ def test_the_terminal_size_does_not_split_zygotes(fake_site):
     the step reads its own size (differential)."""
     site, env, _ = fake_site
     (site / "sizes_up.py").write_text("import shutil\nSIZE = shutil.get_terminal_size()\n")
-    launcher = Launcher(["sizes_up"])
     code = "import os, shutil; print(os.environ.get('COLUMNS'), shutil.get_terminal_size())"
-    try:
-        for size in (None, ("123", "45")):
-            step_env = dict(env, **(dict(COLUMNS=size[0], LINES=size[1]) if size else {}))
-            got = launcher.run([PY, "-c", code], env=step_env)
-            ref = subprocess.run([PY, "-c", code], env=step_env, capture_output=True, text=True)
-            assert (got.via, got.stdout) == ("zygote", ref.stdout), size
-            assert len(launcher.zygotes) == 1, size
-    finally:
-        launcher.close()
+    served_like_plain(env, "sizes_up", code, [({}, 1), ({"COLUMNS": "123", "LINES": "45"}, 1)])
 
 
 def test_a_module_that_copies_the_environment_does_not_pin_every_variable(fake_site):
