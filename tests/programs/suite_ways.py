@@ -51,10 +51,12 @@ def test_shell_script(tmp_path):
 
 def test_popen_signal():
     proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); "
-                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+                             "time.sleep(60)"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     first = proc.stdout.readline()
     proc.send_signal(signal.SIGTERM)
-    record("popen_signal", code=proc.wait(timeout=60), first=first)
+    code = proc.wait(timeout=60)
+    record("popen_signal", code=code, first=first, err=proc.stderr.read())
 
 
 def test_timeout():
