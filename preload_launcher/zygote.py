@@ -180,24 +180,32 @@ class Zygote(ZygoteRequests):
                 self.learn_while_idle()
             elif not events and self.idle_left() == 0:
                 self.request_stop(f"idle for {self.config.idle_timeout_s:.0f} s")
-            for key, _ in events:
-                if key.data == "accept":
-                    self.accept()
-                elif key.data == "signal":
-                    protocol.drain(sig_r)
-                    self.reap()
-                elif key.data == "alive":
-                    self.request_stop("its starter went away")
-                elif isinstance(key.data, str):
-                    self.settle_hint(key.data, key.fileobj)
-                elif isinstance(key.data, protocol.RequestReader):
-                    self.on_request(key.data)
-                elif isinstance(key.data, gpus.Waiting):
-                    self.on_waiting_conn(key.data)
-                else:
-                    self.on_step_conn(key.data)
+            self.dispatch(events)
         for running in list(self.steps.values()):
             runtime.signal_group(running.pid, signal.SIGKILL)
+
+    def dispatch(self, events: list) -> None:
+        """Handle one ``select`` batch in order. An event whose registration an earlier one
+        ended is skipped: a step reaped by this batch's SIGCHLD has its connection closed, and
+        its client's EOF, in the same batch, is no longer news."""
+        for key, _ in events:
+            if self.selector.get_map().get(key.fd) is not key:
+                continue
+            if key.data == "accept":
+                self.accept()
+            elif key.data == "signal":
+                protocol.drain(key.fd)
+                self.reap()
+            elif key.data == "alive":
+                self.request_stop("its starter went away")
+            elif isinstance(key.data, str):
+                self.settle_hint(key.data, key.fileobj)
+            elif isinstance(key.data, protocol.RequestReader):
+                self.on_request(key.data)
+            elif isinstance(key.data, gpus.Waiting):
+                self.on_waiting_conn(key.data)
+            else:
+                self.on_step_conn(key.data)
 
     def verify_hints(self) -> None:
         """Re-verify a portable profile's verdicts for another package set, each in a forked

@@ -83,7 +83,7 @@ def test_under_xdist_the_workers_launches_are_served_by_the_controllers_zygote(t
     assert suite_run.returncode == 0, suite_run.stdout + suite_run.stderr
     assert views(served) == views(plain)
     for name in SERVED:
-        assert forked(served)[name] and all(forked(served)[name]), name
+        assert forked(served)[name] and all(forked(served)[name]), (name, suite_run.stdout)
     # The controller adds up what each worker's tests started.
     counted = [line for line in suite_run.stdout.splitlines() if "suite-wide:" in line]
     assert counted and "started 0 interpreters" not in counted[0], suite_run.stdout
