@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -42,6 +43,7 @@ class Launcher:
         self.shared_socket = shared_socket
         self.max_zygotes = max_zygotes
         self.zygotes: list[ZygoteProcess] = []
+        self.lost: list[str] = []  # zygotes that ended on their own, said in the summary
         # Measured, never estimated: steps each way and the seconds they took, the seconds
         # callers waited for a zygote's preload, and how many zygotes were started.
         self.stats = {"zygote": 0, "subprocess": 0, "with_standins": 0, "reasons": {},
@@ -57,10 +59,7 @@ class Launcher:
         modules = list(self.preload_set())
         with self._lock:
             self._attach_shared()
-            for z in list(self.zygotes):
-                if not z.alive() and z._ready.is_set():
-                    self.zygotes.remove(z)
-                    z.close()
+            self._forget_dead()
             candidates = [z for z in self.zygotes if z.modules == modules]
             for z in candidates:
                 z.wait_ready()
@@ -173,8 +172,8 @@ class Launcher:
         modules = list(self.preload_set())
         with self._lock:
             self._attach_shared()
-            same = [z for z in self.zygotes if z.modules == modules and
-                    (not z._ready.is_set() or z.alive())]
+            self._forget_dead()
+            same = [z for z in self.zygotes if z.modules == modules]
             fitting = [z for z in same if z._ready.is_set() and z.matches(env)]
             if fitting or same:
                 return (fitting or same)[0]
@@ -202,10 +201,35 @@ class Launcher:
                 fallbacks[reason] = fallbacks.get(reason, 0) + int(n)
         return forked, fallbacks
 
+    def _forget_dead(self) -> None:
+        """Drop zygotes that are gone (under the lock); one of ours that ended on its own is
+        remembered for the summary, with the log it kept."""
+        for z in list(self.zygotes):
+            if z._ready.is_set() and not z.alive():
+                self.zygotes.remove(z)
+                self._remember_if_lost(z)
+                z.close()
+
+    def _remember_if_lost(self, zygote: ZygoteProcess) -> None:
+        code = zygote.process.poll() if zygote.process is not None else None
+        if code:  # a crash or an outside kill: the steps after it ran in another zygote
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            self.lost.append(f"zygote {zygote.pid} ended on its own ({how}); later steps went "
+                             f"to a new one; its log: {zygote.log_path}")
+
+    def lost_zygotes(self) -> list[str]:
+        """What ended the zygotes this launcher started that did not wait to be stopped."""
+        with self._lock:
+            for z in self.zygotes:
+                z.poll_ready()  # one whose readiness nobody waited for (the xdist controller's)
+            self._forget_dead()
+            return list(self.lost)
+
     def _retire(self, zygote: ZygoteProcess) -> None:
         with self._lock:
             if zygote in self.zygotes:
                 self.zygotes.remove(zygote)
+                self._remember_if_lost(zygote)
         zygote.close()
 
     def _count(self, result: StepResult) -> StepResult:

@@ -197,6 +197,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         whom = "the workers" if config.pluginmanager.hasplugin("dsession") else "this session"
         _shared_summary(terminalreporter, launcher, whom)
         _suite_wide_summary(terminalreporter, config, launcher)
+        _lost_zygotes(terminalreporter, launcher, separator=True)
         return
     tr = terminalreporter
     tr.write_sep("-", "preload_launcher")
@@ -213,6 +214,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     _suite_wide_summary(tr, config, launcher, separator=False)
     tr.write_line(f"zygotes started: {stats['zygotes_started']}; steps waited "
                   f"{stats['waited_s']:.1f} s in all for a zygote's preload")
+    _lost_zygotes(tr, launcher)
     if stats["gpu_waits"]:
         tr.write_line(f"GPU packing: {stats['gpu_waits']} steps were granted GPUs; they waited "
                       f"{stats['gpu_wait_s']:.1f} s in all for free ones")
@@ -229,6 +231,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         tr.write_line("  " + format_learned(report.get("learned", {})))
         for line in preload_problems(report, config.stash.get(named_key, "")):
             tr.write_line(f"  {line}")
+
+
+def _lost_zygotes(tr, launcher: client.Launcher, separator: bool = False) -> None:
+    """A zygote that crashed or was killed mid-session: the session went on without it, and
+    says so (its log is kept)."""
+    lost = launcher.lost_zygotes()
+    if lost and separator:
+        tr.write_sep("-", "preload_launcher")
+    for line in lost:
+        tr.write_line(line, yellow=True)
 
 
 def _shared_summary(tr, launcher: client.Launcher, whom: str) -> None:

@@ -201,3 +201,34 @@ def test_the_zygote_starts_before_the_suites_conftests_load(pytester):
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["*STARTED True*"])
     assert "zygotes started: 1" in result.stdout.str()
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+def test_a_zygote_that_dies_mid_session_is_replaced_and_the_summary_says_so(pytester, workers):
+    """The session goes on (its next step gets a new zygote) and the summary names what ended
+    the old one and where its log is, instead of quietly running unserved. Under xdist it is
+    the controller's zygote the workers share."""
+    pytester.makepyfile(test_lost="""
+        import os, signal, sys
+        from preload_launcher import client, ZygoteProcess
+
+        def test_kill_the_sessions_zygote(preload_launcher):
+            assert preload_launcher.run([sys.executable, "-c", "pass"]).via == "zygote"
+            zygote = preload_launcher.zygotes[0]
+            os.kill(zygote.pid, signal.SIGKILL)
+            if zygote.process is not None:
+                zygote.process.wait()  # ours: gone before the next step asks for it
+            else:  # the controller's: gone once it stops answering
+                while zygote.alive():
+                    pass
+            again = preload_launcher.run([sys.executable, "-c", "print('again')"])
+            assert (again.via, again.stdout) == ("zygote", "again\\n")
+    """)
+    result = runpytest(pytester, *workers)
+    assert result.ret == 0, result.stdout.str()
+    if workers:  # the worker's new zygote is its own; the controller reports its lost one
+        result.stdout.fnmatch_lines(["*zygote * ended on its own (killed by SIGKILL); later steps "
+                                     "went to a new one; its log: *.log"])
+    else:
+        result.stdout.fnmatch_lines(["*zygotes started: 2*", "*zygote * ended on its own (killed "
+                                     "by SIGKILL); later steps went to a new one; its log: *.log"])
