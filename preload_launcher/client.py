@@ -212,7 +212,9 @@ class Launcher:
 
     def _remember_if_lost(self, zygote: ZygoteProcess) -> None:
         code = zygote.process.poll() if zygote.process is not None else None
-        if code:  # a crash or an outside kill: the steps after it ran in another zygote
+        # A crash or an outside kill after a good start (a failed start is the caller's
+        # LauncherError, with the log's tail): the steps after it ran in another zygote.
+        if code and zygote._start_error is None:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             self.lost.append(f"zygote {zygote.pid} ended on its own ({how}); later steps went "
                              f"to a new one; its log: {zygote.log_path}")
