@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import builtins
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from typing import Mapping, Optional, Sequence, Union
 from . import process_attrs, settings
 from .arguments import check_args, check_cwd, check_env
 from .command import StepSpec, Unsupported, parse_command
+from .crashes import signal_name
 from .result import LauncherError, StepResult, ZygoteDied
 from .settings import Settings
 from .caller_fds import guarded_stdio
@@ -215,7 +215,7 @@ class Launcher:
         # A crash or an outside kill after a good start (a failed start is the caller's
         # LauncherError, with the log's tail): the steps after it ran in another zygote.
         if code and zygote._start_error is None:
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            how = f"killed by {signal_name(-code)}" if code < 0 else f"exit status {code}"
             self.lost.append(f"zygote {zygote.pid} ended on its own ({how}); later steps went "
                              f"to a new one; its log: {zygote.log_path}")
 

@@ -14,9 +14,10 @@ import faulthandler
 import json
 import os
 import re
+import signal
 from typing import Iterable, Optional
 
-__all__ = ["CrashGuard", "collect_crashes", "crash_verdict"]
+__all__ = ["CrashGuard", "collect_crashes", "crash_verdict", "signal_name"]
 
 PREFIX = "importing-"
 FATAL = re.compile(r"Fatal Python error: (.+)")
@@ -25,6 +26,15 @@ FATAL = re.compile(r"Fatal Python error: (.+)")
 SIGNALS = {"Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT",
            "Floating-point exception": "SIGFPE", "Floating point exception": "SIGFPE",
            "Illegal instruction": "SIGILL"}
+
+
+def signal_name(signum: int) -> str:
+    """"SIGSEGV" for 11; "signal 40" for a signal ``signal.Signals`` has no name for (the
+    real-time ones between SIGRTMIN and SIGRTMAX), which it refuses with a ValueError."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def crash_verdict(entry: str, how: str) -> dict:

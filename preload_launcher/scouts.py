@@ -26,7 +26,7 @@ from dataclasses import asdict
 from typing import Callable, Optional
 
 from . import runtime
-from .crashes import crash_verdict
+from .crashes import crash_verdict, signal_name
 
 __all__ = ["Scouts", "ScoutStream", "Reporter", "Follower", "Abandon", "new_code", "checkpoint_key"]
 
@@ -138,7 +138,7 @@ class ScoutStream:
         _, status = os.waitpid(self.pid, 0)
         code = os.waitstatus_to_exitcode(status)
         if self.report is None and not killed and code != 0:
-            how = (f"{signal.Signals(-code).name}: {signal.strsignal(-code)}" if code < 0
+            how = (f"{signal_name(-code)}: {signal.strsignal(-code)}" if code < 0
                    else f"exit status {code}")
             self.verdict = crash_verdict(self.module, how)
 

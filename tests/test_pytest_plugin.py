@@ -210,7 +210,6 @@ def test_a_zygote_that_dies_mid_session_is_replaced_and_the_summary_says_so(pyte
     the controller's zygote the workers share."""
     pytester.makepyfile(test_lost="""
         import os, signal, sys
-        from preload_launcher import client, ZygoteProcess
 
         def test_kill_the_sessions_zygote(preload_launcher):
             assert preload_launcher.run([sys.executable, "-c", "pass"]).via == "zygote"
