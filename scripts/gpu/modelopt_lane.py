@@ -37,6 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SPEC = "tests/examples/speculative_decoding/test_eagle.py::"
 SPEC_PTQ = "tests/examples/speculative_decoding/test_eagle_offline_ptq.py::"
 ONNX = "tests/examples/torch_onnx/test_hf_embedding_quant_to_onnx.py"
+BRIDGE = "tests/examples/megatron_bridge/"
+GPU_MEGATRON = "tests/gpu_megatron/torch/"
+POISON = GPU_MEGATRON + "test_pool_poison.py"  # scripts/gpu/pool_poison.py, copied in by --poison
 
 # Each lane: the example tests that run on one GPU without the hub, in the suite's file order
 # (later tests use earlier tests' outputs).
@@ -70,6 +73,21 @@ LANES = {
                    SPEC + "test_convert_to_vllm_ckpt",
                    SPEC + "test_offline_eagle3_training[tinyllama]"],
     "spec_compile": [SPEC + "test_llama_eagle3[1-False]"],
+    # megatron_bridge (needs Transformer Engine and megatron-bridge): every test that runs without
+    # the hub, on mock data or local tiny models; each torchrun step is one rank on one GPU.
+    "bridge": [BRIDGE + "test_distill.py::test_distill_llm",
+               BRIDGE + "test_distill.py::test_distill_llm_sft",
+               BRIDGE + "test_distill.py::test_distill_validate_only",
+               BRIDGE + "test_distill.py::test_distill_vlm",
+               BRIDGE + "test_export_distilled_megatron_to_hf.py"],
+    # gpu_megatron: module-scoped DistributedWorkerPools (world size = GPUs), one per module; the
+    # poison module (--poison) sits between them: a poisoned pool must not reach later modules.
+    "pools": [GPU_MEGATRON + "sparsity/weight_sparsity/plugins/test_megatron_sparsity.py",
+              GPU_MEGATRON + "export/test_vllm_fakequant_megatron_export.py",
+              POISON,
+              GPU_MEGATRON + "speculative/plugins/test_speculative_megatron_modules.py",
+              GPU_MEGATRON + "nas/plugins/test_megatron_gpt_dynamic_modules.py",
+              GPU_MEGATRON + "export/test_megatron_importer.py"],
 }
 
 DROPPED = [
@@ -85,8 +103,11 @@ DROPPED = [
     ("llm_qat test_*", "needs the hub (abisee/cnn_dailymail); the deepspeed cases need deepspeed"),
     ("llm_sparsity test_llama_sparsity*, test_attention_sparsity",
      "needs the hub (cnn_dailymail calibration; RULER data for attention calibration)"),
-    ("megatron_bridge test_*", "needs Transformer Engine: five device calls to carry its 276 MB "
-     "core wheel plus a 90-115 s build (scripts/gpu/transformer_engine.sh)"),
+    ("megatron_bridge test_distill_puzzletron_anymodel", "needs the hub (Qwen/Qwen3-0.6B's config)"),
+    ("megatron_bridge test_quantize_and_export, test_qad[*], test_prune_minitron*[*]",
+     "need the hub (cnn_dailymail calibration; pruning also scores on MMLU)"),
+    ("gpu_megatron other modules", "the hub (test_utils_megatron's Qwen tokenizer), 2+ GPUs, or "
+     "more than one device call; the pools lane is a sample of pool-starting modules"),
 ]
 
 DEFAULT_MODULES = "torch,transformers,accelerate,datasets,modelopt.torch"
@@ -122,6 +143,12 @@ def session_env(way: str, args, cache: str, steps: str) -> dict:
                # The GPU machine has no network: the same everywhere, so nothing waits on DNS.
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PRELOAD_LAUNCHER", None)
+    # torch's JIT extension cache (modelopt builds modelopt_cuda_ext* there on first use): the
+    # same start for every way, either one pre-built folder or an empty one each.
+    if args.torch_extensions == "fresh":
+        env["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix=f"lane-ext-{way}-")
+    elif args.torch_extensions:
+        env["TORCH_EXTENSIONS_DIR"] = args.torch_extensions
     if way == "subprocess":
         env["PRELOAD_LAUNCHER"] = "0"
     elif way in ("suite", "forked"):
@@ -234,7 +261,7 @@ def report(args, tests, walls: dict, logs: dict) -> str:
            f"on {os.uname().nodename}; Python {sys.version.split()[0]}; {gpu_line()}",
            f"# checkout {args.checkout} at {checkout_commit(args.checkout)}; lanes {args.lanes}; "
            f"preload {args.modules}; each way a fresh pytest session, launcher from an empty cache; "
-           f"order {args.ways}", "",
+           f"order {args.ways}; TORCH_EXTENSIONS_DIR {ext_line(args)}", "",
            f"{'test':58} " + " ".join(f"{w:>16}" for w in ways) + "  steps (s) per way"]
     for name in names:
         row = [f"{name[:58]:58}"]
@@ -243,7 +270,7 @@ def report(args, tests, walls: dict, logs: dict) -> str:
             row.append(f"{outcome[:6]:>7} {secs:7.1f}s")
         per_way = "/".join(f"{sum(r['seconds'] for r in steps.get((w, name), [])):.1f}"
                            for w in ways)
-        out.append(" ".join(row) + f"  {per_way}")
+        out.append(" ".join(row) + f"  {per_way}{ratios(res, ways, name)}")
     base = walls.get("subprocess")
     for way in ways:
         counts = {}
@@ -277,6 +304,23 @@ def report(args, tests, walls: dict, logs: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def ratios(res: dict, ways: list[str], name: str) -> str:
+    """subprocess call time / each other way's, for one test."""
+    base = res.get("subprocess", {}).get(name, ("", 0.0, ""))[1]
+    shown = [f"{w} {base / res[w][name][1]:.1f}x" for w in ways
+             if w != "subprocess" and base and res[w].get(name, ("", 0.0))[1] > 0]
+    return f"  ({', '.join(shown)})" if shown else ""
+
+
+def ext_line(args) -> str:
+    if args.torch_extensions == "fresh":
+        return "an empty one per way"
+    if args.torch_extensions:
+        built = sorted(os.listdir(args.torch_extensions)) if os.path.isdir(args.torch_extensions) else []
+        return f"{args.torch_extensions}, shared, holding {', '.join(built) or 'nothing'} at the start"
+    return "torch's default"
+
+
 def gpu_line() -> str:
     try:
         names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -292,6 +336,23 @@ def checkout_commit(checkout: str) -> str:
     return open(path).read().strip() if os.path.exists(path) else "unknown commit"
 
 
+def merge(args) -> tuple[dict, dict]:
+    """The ways of several earlier calls' output folders, copied into --out for one report."""
+    walls, logs = {}, {}
+    with open(os.path.join(args.out, "steps.jsonl"), "w") as steps:
+        for folder in args.merge.split(","):
+            with open(os.path.join(folder, "walls.json")) as f:
+                for way, wall in json.load(f).items():
+                    walls[way] = tuple(wall)
+                    for ext in (".xml", ".log"):
+                        if os.path.abspath(folder) != os.path.abspath(args.out):
+                            shutil.copy(os.path.join(folder, way + ext), args.out)
+                    logs[way] = os.path.join(args.out, way + ".log")
+            with open(os.path.join(folder, "steps.jsonl")) as f:
+                steps.write(f.read())
+    return walls, logs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkout", default=os.path.join(ROOT, ".modelopt"))
@@ -304,18 +365,33 @@ def main() -> None:
     parser.add_argument("--modules", default=DEFAULT_MODULES, help="the launcher's preload set")
     parser.add_argument("--session-limit-s", type=float, default=540,
                         help="stop a pytest session after this many seconds")
+    parser.add_argument("--torch-extensions", default="",
+                        help="TORCH_EXTENSIONS_DIR for every way: a pre-built folder, or 'fresh' "
+                             "(an empty one per way); default: torch's own")
+    parser.add_argument("--poison", action="store_true",
+                        help=f"copy scripts/gpu/pool_poison.py to {POISON} in the checkout")
+    parser.add_argument("--merge", default="",
+                        help="comma-separated output folders of earlier calls: one report of "
+                             "their ways (each folder's <way>.xml/.log, walls.json, steps.jsonl)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "lane-out")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     args.checkout = os.path.abspath(args.checkout)
     tests = ([t for t in args.tests.split(",") if t] or
              [t for lane in args.lanes.split(",") for t in LANES[lane]])
-    open(os.path.join(args.out, "steps.jsonl"), "w").close()
-    walls, logs = {}, {}
-    for way in args.ways.split(","):
-        wall, rc, log = run_session(way, args, tests)
-        walls[way], logs[way] = (wall, rc), log
-        print(f"   {way}: {wall:.1f} s, exit {rc}", flush=True)
+    if args.merge:
+        walls, logs = merge(args)
+    else:
+        if args.poison:
+            shutil.copy(os.path.join(HERE, "pool_poison.py"), os.path.join(args.checkout, POISON))
+        open(os.path.join(args.out, "steps.jsonl"), "w").close()
+        walls, logs = {}, {}
+        for way in args.ways.split(","):
+            wall, rc, log = run_session(way, args, tests)
+            walls[way], logs[way] = (wall, rc), log
+            print(f"   {way}: {wall:.1f} s, exit {rc}", flush=True)
+            with open(os.path.join(args.out, "walls.json"), "w") as f:
+                json.dump(walls, f)
     text = report(args, tests, walls, logs)
     with open(os.path.join(args.out, "report.txt"), "w") as f:
         f.write(text)

@@ -23,7 +23,8 @@ PLAT=(--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 KEEP=(pyproject.toml LICENSE modelopt modelopt_recipes tests/conftest.py tests/_test_utils
       tests/examples/conftest.py tests/examples/speculative_decoding tests/examples/torch_onnx
       tests/examples/hf_ptq tests/examples/llm_distill tests/examples/llm_qat
-      tests/examples/llm_sparsity tests/examples/megatron_bridge examples/speculative_decoding
+      tests/examples/llm_sparsity tests/examples/megatron_bridge tests/gpu_megatron
+      examples/speculative_decoding
       examples/hf_ptq examples/torch_onnx examples/llm_distill examples/llm_qat
       examples/llm_sparsity examples/megatron_bridge examples/dataset
       tests/unit/conftest.py tests/unit/torch/conftest.py

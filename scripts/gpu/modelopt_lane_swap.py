@@ -8,7 +8,9 @@ Model-Optimizer's ``run_example_command`` calls ``_run_capturing(cmd_parts, cwd,
 stderr=STDOUT, text=True)``, prints the output and returns ``(returncode, output)``. This plugin
 replaces that function by one that does the same through ``preload_launcher.run`` (what
 ``preload_launcher.run_capturing`` does, keeping the result's ``via``/``reason`` for the lane's
-log). Nothing of the suite's files is edited. With any other ``MODELOPT_LANE_WAY`` (subprocess,
+log). Nothing of the suite's files is edited. Every way also times the suite's worker pools
+(``_test_utils.torch.distributed.utils.DistributedWorkerPool``: its start, until every rank said
+ready, and its shutdown), logged as steps of the test whose fixture made the pool. With any other ``MODELOPT_LANE_WAY`` (subprocess,
 suite, forked) the suite's own function stays and is only timed. Each step is appended as one JSON line to
 ``$MODELOPT_LANE_STEPS`` (if set): the way, the test, the command, how it ran and why, seconds.
 """
@@ -56,7 +58,37 @@ def _timed(original):
     return _run_capturing
 
 
+def _time_pools() -> None:
+    """Wrap the pool's start and shutdown with a timer, where the suite has such a pool."""
+    import importlib
+
+    try:
+        pool = importlib.import_module("_test_utils.torch.distributed.utils").DistributedWorkerPool
+    except (ImportError, AttributeError):
+        return
+    start, shutdown = pool.__init__, pool.shutdown
+
+    def timed_init(self, world_size, *args, **kwargs):
+        began = time.perf_counter()
+        try:
+            start(self, world_size, *args, **kwargs)
+        except BaseException:
+            _record(["pool start", f"world={world_size}"], "pool", "failed", 1,
+                    time.perf_counter() - began)
+            raise
+        _record(["pool start", f"world={world_size}"], "pool", "", 0, time.perf_counter() - began)
+
+    def timed_shutdown(self):
+        began = time.perf_counter()
+        shutdown(self)
+        codes = [p.exitcode for p in self._processes]
+        _record(["pool shutdown", f"exit codes {codes}"], "pool", "", 0, time.perf_counter() - began)
+
+    pool.__init__, pool.shutdown = timed_init, timed_shutdown
+
+
 def pytest_configure(config) -> None:
+    _time_pools()
     # The suite's ini puts tests/ on sys.path before plugins are configured; run_example_command
     # looks its helper up at call time, so replacing the module attribute is the whole swap.
     import importlib

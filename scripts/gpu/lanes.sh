@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Model-Optimizer's megatron lanes and the HF lanes on the GPU machine, spread over back-to-back
+# device calls while the machine is held (its /tmp survives between them): Transformer Engine's
+# core wheel travels one part a call beside the call's own work.
+#
+#   here:  bash scripts/gpu/modelopt_lane.sh prepare; bash scripts/gpu/transformer_engine.sh fetch
+#          bash scripts/gpu/lanes.sh split-te 20000000   # .te/parts: a small first part, 4 large
+#   there: bash scripts/gpu/lanes.sh setup [ext] [te] [lane NAME LANES ARGS...] ...
+#          the first call carries .whl .modelopt .te/build .te/parts/core.00, each later call one
+#          more part; `te` (once every part is there) joins, installs and builds Transformer Engine.
+#
+# Each `lane NAME LANES ARGS...` runs scripts/gpu/modelopt_lane.py on the copied checkout (/tmp/mo)
+# with the PYTHONPATH its lanes need and packs its output folder into $OUT/NAME.tgz (report.txt
+# also as $OUT/NAME-report.txt). modelopt's CUDA extensions are built once into /tmp/torch-ext by
+# `ext` (three at once) and shared by every way (--torch-extensions /tmp/torch-ext).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUTDIR=${OUT:-lanes-out}
+MO=/tmp/mo
+EXT=/tmp/torch-ext
+PIP=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade)
+HF=/tmp/site                       # the image's missing wheels, megatron left out
+MCORE=/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-core, TE (the pools' models need TE)
+BRIDGE=/tmp/site-bridge:/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-bridge, TE
+
+stamp() { echo "[lanes $(date -u +%T)] $*"; }
+
+setup() {
+  [ -d /tmp/site ] || "${PIP[@]}" --target /tmp/site $(ls .whl/*.whl | grep -v -E '/megatron_(core|bridge)-')
+  [ -d /tmp/site-mcore ] || "${PIP[@]}" --target /tmp/site-mcore .whl/megatron_core-*.whl
+  [ -d /tmp/site-bridge ] || "${PIP[@]}" --target /tmp/site-bridge .whl/megatron_bridge-*.whl
+  [ -d $MO ] || cp -a .modelopt $MO
+  if [ -d .te ]; then bash scripts/gpu/transformer_engine.sh receive | tail -n 12; fi
+  stamp "setup done; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+}
+
+ext() {  # each extension in its own process: torch locks per name, so they build side by side
+  mkdir -p $EXT
+  local start=$SECONDS
+  for fn in get_cuda_ext get_cuda_ext_fp8 get_cuda_ext_mx; do
+    PYTHONPATH=$MO:$HF TORCH_EXTENSIONS_DIR=$EXT python3 -c \
+      "import modelopt.torch.quantization.extensions as e; print(e.$fn(raise_if_failed=True))" \
+      > /tmp/ext-$fn.log 2>&1 &
+  done
+  wait || true
+  tail -n 2 /tmp/ext-*.log
+  stamp "extensions in $EXT after $((SECONDS - start)) s: $(ls $EXT | tr '\n' ' ')"
+}
+
+te() {
+  if ! ls /tmp/te-site/transformer_engine_torch*.so > /dev/null 2>&1; then
+    bash scripts/gpu/transformer_engine.sh install 2>&1 | grep -v -i warning
+  fi
+  stamp "Transformer Engine ready"
+}
+
+lane() {  # NAME LANES [modelopt_lane.py options]
+  local name=$1 lanes=$2 path=$HF
+  shift 2
+  case $lanes in bridge*) path=$BRIDGE ;; pools*) path=$MCORE ;; esac
+  local out=/tmp/lane-$name
+  rm -rf $out && mkdir -p $out "$OUTDIR"
+  stamp "lane $name: $lanes $*"
+  PYTHONPATH=$path PYTHONUNBUFFERED=1 timeout 590 python3 scripts/gpu/modelopt_lane.py \
+    --checkout $MO --lanes "$lanes" --out $out "$@" > $out/lane.log 2>&1 || echo "lane $name: exit $?"
+  grep -E '^(== |   [a-z]+: )' $out/lane.log || true
+  [ -f $out/report.txt ] && cp $out/report.txt "$OUTDIR/$name-report.txt" && sed -n '1,60p' $out/report.txt
+  tar czf "$OUTDIR/$name.tgz" -C /tmp "lane-$name"
+}
+
+split_te() {  # FIRST_BYTES: .te/parts as one part of that size and four equal ones
+  local core=(.te/transformer_engine_cu13-*.whl) first=$1
+  local rest=$(( $(stat -c %s "$core") - first ))
+  rm -f .te/parts/core.*
+  head -c "$first" "$core" > .te/parts/core.00
+  tail -c +$(( first + 1 )) "$core" | split -b $(( (rest + 3) / 4 )) -d --numeric-suffixes=1 - .te/parts/core.
+  ls -l .te/parts
+}
+
+[ $# -gt 0 ] || { echo "usage: $0 setup|ext|te|lane NAME LANES ARGS...|split-te BYTES ..." >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case $1 in
+  setup) setup; shift ;;
+  ext) ext; shift ;;
+  te) te; shift ;;
+  split-te) split_te "$2"; shift 2 ;;
+  lane)  # everything up to the next `--` belongs to this lane
+    shift; args=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    lane "${args[@]}" ;;
+  *) echo "unknown part: $1" >&2; exit 2 ;;
+  esac
+done
