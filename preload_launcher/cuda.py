@@ -5,7 +5,8 @@
   back (torch_geometric does). ``PRELOAD_LAUNCHER_PROBE=fake`` swaps in a flag that test modules
   flip with ``fake_cuinit()``, so the rules are tested on CPU.
 - NVML (``nvidia-ml-py``) counts and describes GPUs without a CUDA context; ``cuda_safe_imports``
-  answers torch's device queries from it while modules are imported.
+  answers torch's device queries from it while modules are imported, through delegators that
+  call torch's own functions once the block is over (a module may have kept one).
 - ``fork_refusal``: the one "may this process fork a step?" check.
 """
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import os
 import sys
 import threading
 import traceback
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Optional
 
 from .settings import Settings
 
@@ -29,6 +31,9 @@ __all__ = ["DriverProbe", "FakeDriverProbe", "probe_for", "fake_cuinit", "torch_
 CUDA_ERROR_NOT_INITIALIZED = 3
 # Environment the preload itself sets; never part of a step's import-relevant environment.
 PRELOAD_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+# torch.cuda's device queries answered from NVML while importing (``cuda_safe_imports``).
+NVML_ANSWERED = ("get_device_capability", "get_device_name", "get_device_properties",
+                 "current_device", "device_count", "is_available")
 
 
 class DriverProbe:
@@ -132,8 +137,10 @@ def nvml_device_count(environ: Mapping[str, str] = os.environ) -> int:
     return visible_count(_nvml_physical_count()[1], environ)
 
 
-def _nvml_device_answers():
-    """Replacement ``torch.cuda`` query functions backed by NVML, or None without NVML."""
+def _nvml_device_answers(real: Mapping[str, Callable]):
+    """Replacement ``torch.cuda`` query functions backed by NVML, or None without NVML.
+    ``real``: torch's own functions, which a properties object asks for what NVML cannot say
+    once the preload is over."""
     pynvml, count = _nvml_physical_count()
     if not count:
         return None
@@ -159,11 +166,20 @@ def _nvml_device_answers():
         name = pynvml.nvmlDeviceGetName(handle(device))
         return name.decode() if isinstance(name, bytes) else name
 
-    class _Properties:  # the fields NVML can answer truthfully
+    class _Properties:
+        """The fields NVML can answer truthfully. One a preloaded module kept from its import
+        answers the rest (multiprocessor count, ...) from torch once the preload is over."""
+
         def __init__(self, device=None):
+            self._device = device
             self.name = get_device_name(device)
             self.major, self.minor = get_device_capability(device)
             self.total_memory = pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total
+
+        def __getattr__(self, name):
+            if name.startswith("_") or _answers is not None:  # still preloading: CUDA is off
+                raise AttributeError(f"'_Properties' object has no attribute {name!r}")
+            return getattr(real["get_device_properties"](self._device), name)
 
     def device_count():
         return visible_count(count)
@@ -178,30 +194,64 @@ def _nvml_device_answers():
     }
 
 
+# While a ``cuda_safe_imports`` block runs in this process: the NVML answers (else None).
+_answers: Optional[dict[str, Callable]] = None
+_depth = 0
+_delegators: dict[str, Callable] = {}  # by name: the one delegator made for torch's function
+
+
+def _delegator(name: str, real: Callable) -> Callable:
+    """What ``torch.cuda.<name>`` is while importing: NVML's answer inside a
+    ``cuda_safe_imports`` block, torch's own ``real`` outside it. A module may keep the function
+    it found at import (torch's device interface binds it at class definition); what it kept
+    must behave as torch's own once the preload is over, in every forked step."""
+    made = _delegators.get(name)
+    if made is not None and made.__wrapped__ is real:
+        return made
+
+    @functools.wraps(real)
+    def delegator(*args, **kwargs):
+        answers = _answers
+        if answers is not None:
+            return answers[name](*args, **kwargs)
+        return real(*args, **kwargs)
+
+    _delegators[name] = delegator
+    return delegator
+
+
 @contextlib.contextmanager
 def cuda_safe_imports() -> Iterator[bool]:
-    """Set the NVML-based CUDA check and answer device queries from NVML; undo on exit.
+    """Set the NVML-based CUDA check and answer device queries from NVML until the outermost
+    block ends; then torch's own functions are back in ``torch.cuda`` and every reference to
+    the NVML-answering ones taken meanwhile calls them.
 
     Yields whether NVML answers were installed (False on machines without NVML).
     """
+    global _answers, _depth
     saved_env = {k: os.environ.get(k) for k in PRELOAD_ENV}
     os.environ.update(PRELOAD_ENV)
-    answers = None
-    saved: dict[str, Callable] = {}
+    installed: dict[str, tuple[Callable, Callable]] = {}  # name: (torch's, its delegator)
+    _depth += 1
     try:
-        if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
-            answers = _nvml_device_answers()
-        if answers:
+        if _depth == 1 and ("torch" in sys.modules or importlib.util.find_spec("torch")):
             import torch.cuda
-            saved = {name: getattr(torch.cuda, name) for name in answers}
-            for name, fn in answers.items():
-                setattr(torch.cuda, name, fn)
-        yield bool(answers)
+            real = {name: getattr(torch.cuda, name) for name in NVML_ANSWERED}
+            _answers = _nvml_device_answers(real)
+            if _answers:
+                for name, fn in real.items():
+                    installed[name] = (fn, _delegator(name, fn))
+                    setattr(torch.cuda, name, installed[name][1])
+        yield _answers is not None
     finally:
-        if saved:
+        _depth -= 1
+        if _depth == 0:
+            _answers = None
+        if installed:
             import torch.cuda
-            for name, fn in saved.items():
-                setattr(torch.cuda, name, fn)
+            for name, (fn, delegator) in installed.items():
+                if getattr(torch.cuda, name) is delegator:  # not replaced by a module meanwhile
+                    setattr(torch.cuda, name, fn)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -9,11 +9,14 @@ process (``startup_mismatch`` in the child says why).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Mapping, Optional
 
-__all__ = ["env_flag", "startup_flags", "zygote_flags", "flags_differ", "import_env_mismatch",
+from .settings import THREAD_ENV
+
+__all__ = ["env_flag", "env_value", "startup_flags", "zygote_flags", "flags_differ", "import_env_mismatch",
            "startup_mismatch",
            "FLAG_PREFIX",
            "apply_locale", "ctype_is_c_like", "step_base_path"]
@@ -93,6 +96,16 @@ def flags_differ(recorded: Mapping[str, Optional[int]], env: Mapping[str, str]) 
             if key.startswith(FLAG_PREFIX) and wanted.get(key[len(FLAG_PREFIX):], value) != value]
 
 
+def env_value(env: Mapping[str, str], key: str) -> Optional[str]:
+    """``key``'s value in ``env``; for a family ``X*`` (``settings.NATIVE_ENV``), every variable
+    named X... (thread counts aside) as one string, None when there is none."""
+    if not key.endswith("*"):
+        return env.get(key)
+    family = sorted((k, v) for k, v in env.items()
+                    if k.startswith(key[:-1]) and k not in THREAD_ENV)
+    return json.dumps(family) if family else None
+
+
 def import_env_mismatch(import_env: Mapping[str, Optional[str]], env: Mapping[str, str],
                         set_while_importing: Optional[Mapping[str, str]] = None) -> list[str]:
     """The import-relevant variables whose value in ``env`` differs from a preload's
@@ -101,7 +114,8 @@ def import_env_mismatch(import_env: Mapping[str, Optional[str]], env: Mapping[st
     variable the preload's imports set themselves (unset before) may hold that value."""
     flags = FLAG_PREFIX
     set_by_imports = set_while_importing or {}
-    return sorted([k for k, v in import_env.items() if not k.startswith(flags) and env.get(k) != v
+    return sorted([k for k, v in import_env.items()
+                   if not k.startswith(flags) and env_value(env, k) != v
                    and not (v is None and k in set_by_imports and env.get(k) == set_by_imports[k])]
                   + flags_differ(import_env, env))
 

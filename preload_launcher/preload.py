@@ -33,8 +33,8 @@ from .envreads import recording_env_reads
 from .profiles import read_profile
 from .staleness import StalenessWatch
 from .verdicts import DEFER, LEARNED, SCOUTED, VerdictCache, package_fingerprint
-from .settings import (IMPORT_ENV_KEYS, PER_TEST_ENV, QUARANTINE_ENV, RESTARTED_ENV, TERMINAL_ENV,
-                       Settings, ZygoteConfig)
+from .settings import (IMPORT_ENV_KEYS, NATIVE_ENV, PER_TEST_ENV, QUARANTINE_ENV, RESTARTED_ENV,
+                       TERMINAL_ENV, Settings, ZygoteConfig)
 
 __all__ = ["PreloadReport", "EntryReport", "Preloader", "Quarantined", "preload", "VerdictCache",
            "StalenessWatch", "freeze_image", "package_fingerprint"]
@@ -136,10 +136,10 @@ class Preloader:
                 report.learned = self.preload_learned()
         report.deferred = self.deferred()
         report.hints = {key: "re-verifying" for key in self.hints}
-        keys = (keys | set(IMPORT_ENV_KEYS)) - {*PRELOAD_ENV, *PER_TEST_ENV, *TERMINAL_ENV,
-                                                QUARANTINE_ENV, RESTARTED_ENV}
+        keys = (keys | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV)) - {
+            *PRELOAD_ENV, *PER_TEST_ENV, *TERMINAL_ENV, QUARANTINE_ENV, RESTARTED_ENV}
         # What the imports saw, not what they left: some set variables while importing.
-        report.import_env = {k: start_env.get(k) for k in sorted(keys)}
+        report.import_env = {k: interpreter.env_value(start_env, k) for k in sorted(keys)}
         # And what sys.flags fixed at start-up from the environment (-O, dev mode, UTF-8, ...).
         report.import_env.update({interpreter.FLAG_PREFIX + k: v
                                   for k, v in interpreter.zygote_flags().items()})

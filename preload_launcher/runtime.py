@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional
 
-from . import deferral, interpreter, process_attrs, program_exit, protocol, threads
+from . import deferral, interpreter, native_env, process_attrs, program_exit, protocol, threads
 from .command import StepSpec
 from .program_exit import exit_status_of
 from .settings import Settings
@@ -321,6 +321,7 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     startup_locale = interpreter.apply_locale(coerce_c_locale)
     os.chdir(spec.cwd)
     reseed_random_generators()
+    native_env.reapply()
     threads.apply_fresh_counts(spec.thread_counts, cpus)
     wanted = Settings.from_env()  # the step's own environment asks
     deferral.install_for_step(state.deferred, wanted.deferred)

@@ -17,7 +17,7 @@ from .rundir import private_runtime_dir
 
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "SettingsError", "ZygoteConfig",
            "parse_bool", "preload_modules", "preload_source", "runtime_dir", "QUARANTINE_ENV",
-           "RESTARTED_ENV", "PER_TEST_ENV", "TERMINAL_ENV", "THREAD_ENV"]
+           "RESTARTED_ENV", "PER_TEST_ENV", "TERMINAL_ENV", "THREAD_ENV", "NATIVE_ENV"]
 
 DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch")
 
@@ -37,7 +37,35 @@ PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
 # step's own environment and calls see the step's (a known difference).
 TERMINAL_ENV = ("COLUMNS", "LINES")
 # Thread counts: set per step, in the step (``threads``); a zygote starts without them.
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# OpenBLAS takes OPENBLAS_NUM_THREADS, else GOTO_NUM_THREADS, else OMP_NUM_THREADS.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS")
+
+# Read by the stack's native code when its libraries load (getenv calls seen while importing
+# torch, numpy, megatron.core and modelopt.torch), with no API to apply another value later: a
+# zygote serves only steps that agree with it on these, as on the variables its imports read.
+# "X*" stands for every variable named X... (THREAD_ENV aside: each step sets those itself).
+# What a library does offer an API for is re-read in each step instead (``native_env``: the
+# time zone, torch.distributed's debug level; ``threads``: pool sizes).
+NATIVE_ENV = (
+    "OMP_*", "GOMP_*", "ACC_DEVICE_NUM", "ACC_DEVICE_TYPE",  # GNU OpenMP (torch's libgomp):
+    # schedule, binding and places, wait policy, stack size, thread limit, nesting
+    "OPENBLAS_*", "GFORTRAN_*",  # numpy's OpenBLAS (core type, buffer size, thread timeout,
+    # verbosity) and the gfortran runtime it brings
+    "MKL_*", "I_MPI_*", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",  # torch's MKL:
+    # dynamic threading, memory manager, its count under MPI
+    "ONEDNN_*", "DNNL_*", "MKLDNN_*", "INTEL_LIBITTNOTIFY64",  # torch's oneDNN: ISA, fp-math
+    # mode, verbosity, primitive cache
+    "NPY_ENABLE_CPU_FEATURES", "NPY_DISABLE_CPU_FEATURES",  # numpy's C core: dispatch
+    "NUMPY_WARN_IF_NO_MEM_POLICY",
+    "TORCH_SHOW_CPP_STACKTRACES", "TORCH_CPP_LOG_LEVEL",  # libtorch: C++ traces in errors,
+    "TORCH_CUSTOM_TERMINATE", "PYTORCH_API_USAGE_STDERR",  # its log level and terminate
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_LINALG_PREFER_CUSOLVER",  # handler; backend
+    "TORCH_BLAS_PREFER_CUBLASLT", "KINETO_USE_DAEMON", "THP_MEM_ALLOC_ENABLE",  # choices,
+    "PYTORCH_JIT_LOG_LEVEL", "TORCH_JIT_DISABLE_NEW_EXECUTOR",  # the profiler, the JIT
+    "OPENSSL_ia32cap", "OPENSSL_CONF",  # OpenSSL (through _ssl/_hashlib): CPU features, config
+    "PSUTIL_DEBUG",  # psutil's C extension
+    "MALLOC_*", "GLIBC_TUNABLES",  # glibc's allocator, set up at process start
+)
 
 # Set by the zygote for its own re-exec: the quarantine so far, and "restarted after a change".
 QUARANTINE_ENV = "_PRELOAD_LAUNCHER_QUARANTINE"

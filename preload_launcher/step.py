@@ -9,7 +9,7 @@ import fcntl
 import os
 from typing import Optional
 
-from . import accelerate_launch, agent, child, interpreter, protocol, runtime
+from . import accelerate_launch, agent, child, interpreter, native_env, protocol, runtime
 from .command import StepSpec, Unsupported, parse_python_argv
 
 __all__ = ["become_step"]
@@ -34,6 +34,9 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: runtime.Zy
         protocol.send_event(conn_fd, "fallback", retire=False,
                             reason=f"its environment asks for start-up settings the zygote lacks: "
                                    f"{', '.join(differs)}")
+        return 0
+    if native_env.refusal():
+        protocol.send_event(conn_fd, "fallback", retire=False, reason=native_env.refusal())
         return 0
     if spec.torchrun_args is not None:
         return agent.run_agent(spec, state, conn_fd, warm_ranks)

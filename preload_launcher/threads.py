@@ -8,11 +8,14 @@ same for other OpenMP/BLAS libraries when it is installed): an op a module runs 
 on the main thread, and no team exists at fork time. Torch's inter-op pool is never touched,
 so a step may still size it.
 
-A step then gets the intra- and inter-op counts a fresh interpreter reports under the step's
-own ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` (torchrun sets ``OMP_NUM_THREADS=1`` for several
-ranks): the zygote starts without those variables, so what torch reports there is a fresh
-process's default, and for any other combination it asks a fresh interpreter once (cached
-per package set on disk, and in the zygote).
+A step then gets the counts a fresh interpreter reports under the step's own thread variables
+(``settings.THREAD_ENV``; torchrun sets ``OMP_NUM_THREADS=1`` for several ranks): torch's
+intra- and inter-op counts, and the pool of every OpenMP/BLAS library loaded here (numpy's
+OpenBLAS sizes its pool from ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` when it loads, in the
+zygote), each set through threadpoolctl's controller of that library. The zygote starts without
+those variables, so what it holds is a fresh process's default, and for any other combination
+it asks a fresh interpreter once, which loads the same libraries (cached per package set on
+disk, and in the zygote).
 """
 
 from __future__ import annotations
@@ -27,12 +30,23 @@ from typing import Iterator, Mapping, Optional
 from .files import read_json, save_json
 from .settings import THREAD_ENV
 
-__all__ = ["THREAD_ENV", "pin_for_preload", "preload_limits", "FreshCounts", "apply_fresh_counts",
-           "describe"]
+__all__ = ["THREAD_ENV", "pin_for_preload", "preload_limits", "pool_libraries", "FreshCounts",
+           "apply_fresh_counts", "describe"]
 
-PROBE = "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())"
+# A fresh interpreter's counts: torch's, then each library's pool (argv: the libraries' paths).
+PROBE = """import ctypes, json, sys, torch
+for path in sys.argv[1:]:
+    ctypes.CDLL(path)
+try:
+    import threadpoolctl
+    pools = {i["filepath"]: i["num_threads"] for i in threadpoolctl.threadpool_info()}
+except ImportError:
+    pools = {}
+print(json.dumps([torch.get_num_threads(), torch.get_num_interop_threads(), pools]))
+"""
 
 _defaults: Optional[list[int]] = None  # (intra, inter) of a fresh process, once torch is here
+_pools: dict = {}  # path: threadpoolctl's controller of each OpenMP/BLAS library loaded here
 
 
 def pin_for_preload() -> Optional[list[int]]:
@@ -83,51 +97,87 @@ def key_of(env: Mapping[str, str], cpus: Optional[list[int]] = None) -> str:
     return json.dumps([env.get(k) for k in THREAD_ENV] + ([sorted(cpus)] if cpus else []))
 
 
+def pool_libraries() -> dict[str, int]:
+    """The OpenMP/BLAS libraries loaded here and their pools' sizes now; their controllers are
+    kept for the steps (``apply_fresh_counts``)."""
+    global _pools
+    with _threadpoolctl() as threadpoolctl:
+        if threadpoolctl is None:
+            return {}
+        _pools = {lib.filepath: lib for lib in threadpoolctl.ThreadpoolController().lib_controllers}
+    return {path: lib.get_num_threads() for path, lib in _pools.items()}
+
+
 class FreshCounts:
-    """(intra, inter) op threads a fresh interpreter's torch reports, by thread environment."""
+    """What a fresh interpreter's torch and thread-pool libraries report, by thread
+    environment: ``[intra, inter, {library path: pool size}]``."""
 
     def __init__(self, cache_path: str, defaults: list[int]) -> None:
         self.path = cache_path
-        self.known = {key_of({}): list(defaults), **(read_json(cache_path) or {})}
+        self.defaults = list(defaults)
+        self.known = dict(read_json(cache_path) or {})
         self.probes: dict[str, subprocess.Popen] = {}
+        self.modules_seen = -1
+        self.libraries: list[str] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Libraries loaded since (learned modules): the zygote's own pools, untouched since
+        they loaded, are a fresh process's defaults (torch's OpenMP aside, which its intra-op
+        count sets in the step)."""
+        if len(sys.modules) != self.modules_seen:
+            self.modules_seen = len(sys.modules)
+            pools = pool_libraries()
+            self.libraries = sorted(pools)
+            self.known[key_of({})] = [*self.defaults, pools]
+
+    def _complete(self, key: str) -> bool:
+        counts = self.known.get(key)
+        return counts is not None and len(counts) == 3 and set(self.libraries) <= set(counts[2])
 
     def ask_ahead(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> None:
         """Start asking a fresh interpreter now (in the background), unless known already."""
         key = key_of(env, cpus)
-        if key not in self.known and key not in self.probes:
+        if not self._complete(key) and key not in self.probes:
             probe_env = {**{k: v for k, v in os.environ.items() if k not in THREAD_ENV},
                          **{k: env[k] for k in THREAD_ENV if k in env}}
-            pin = f"import os; os.sched_setaffinity(0, {sorted(cpus)}); " if cpus else ""
-            self.probes[key] = subprocess.Popen([sys.executable, "-c", pin + PROBE], env=probe_env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                                text=True)
+            pin = f"import os; os.sched_setaffinity(0, {sorted(cpus)})\n" if cpus else ""
+            self.probes[key] = subprocess.Popen(
+                [sys.executable, "-c", pin + PROBE, *self.libraries], env=probe_env,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
-    def for_env(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> list[int]:
+    def for_env(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> list:
         key = key_of(env, cpus)
-        if key not in self.known:
+        if not self._complete(key):
             self.ask_ahead(env, cpus)
             out, _ = self.probes.pop(key).communicate(timeout=120)
-            self.known[key] = [int(n) for n in out.split()[-2:]]
+            self.known[key] = json.loads(out.splitlines()[-1])
             save_json(self.path, {k: v for k, v in self.known.items() if k != key_of({})})
         return self.known[key]
 
     def table_for(self, env: Mapping[str, str], multi_rank: bool,
-                  cpus: Optional[list[int]] = None) -> dict[str, list[int]]:
+                  cpus: Optional[list[int]] = None) -> dict[str, list]:
         """What a step with ``env`` needs: its own counts and, for a torchrun step, those of
         ranks given ``OMP_NUM_THREADS=1`` (torchrun's default for several ranks)."""
+        self.refresh()
         envs = [env] + ([{**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}]
                         if multi_rank else [])
         return {key_of(e, cpus): self.for_env(e, cpus) for e in envs}
 
 
-def apply_fresh_counts(table: dict[str, list[int]], cpus: Optional[list[int]] = None) -> None:
-    """In a forked step or rank: torch's counts as a fresh interpreter would have them
-    (``cpus``: the caller's CPU set, where it is not the zygote's)."""
+def apply_fresh_counts(table: dict[str, list], cpus: Optional[list[int]] = None) -> None:
+    """In a forked step or rank: the thread pools as a fresh interpreter would have them
+    (``cpus``: the caller's CPU set, where it is not the zygote's). Torch's intra-op count
+    goes last: it sizes torch's own OpenMP pool as torch decides."""
     torch = sys.modules.get("torch")
     counts = table.get(key_of(os.environ, cpus))
     if torch is None or counts is None:
         return
-    intra, inter = counts
+    intra, inter, pools = counts
+    for path, size in pools.items():
+        lib = _pools.get(path)
+        if lib is not None and lib.get_num_threads() != size:
+            lib.set_num_threads(size)
     torch.set_num_threads(intra)
     if torch.get_num_interop_threads() != inter:
         torch.set_num_interop_threads(inter)

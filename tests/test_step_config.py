@@ -1,0 +1,158 @@
+"""A step runs with the configuration a fresh interpreter would have, whatever the zygote read
+or answered while preloading: the device queries a preloaded module kept from its import
+(answered from NVML while preloading) call torch's own; what native code read from the
+environment at load (the time zone, torch.distributed's debug level, thread pools) is re-read
+through the library's own API in the step, or, where a library has none (torch's C++ stack
+traces, OpenMP's binding, ...), a step whose value differs from the zygote's runs in a
+zygote (or an interpreter) started with it.
+
+Differential: ``tests/programs/step_config.py`` run plainly and through ``run()``, the CLI
+(a daemon started under another environment), ``PRELOAD_LAUNCHER=suite`` and torchrun ranks,
+each under environments the zygote did not have. A machine without GPUs gets a stand-in NVML
+(``tests/programs/preloaded/pynvml.py``), so the zygote answers from it as on a GPU machine."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from preload_launcher import Launcher
+from preload_launcher.settings import NATIVE_ENV
+
+from conftest import PY, plain, program
+
+pytestmark = pytest.mark.needs_torch
+
+MODULES = "torch,captures_cuda"
+PROGRAM = program("step_config.py")
+# Each case: the step's extra environment, and whether the zygote started without it serves
+# it (the library re-reads the value in the step) or a fresh one must.
+CASES = {
+    "as_the_zygote": ({}, "same"),
+    "re_read_in_the_step": ({"TZ": "America/New_York", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+                             "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}, "same"),
+    "another_time_zone_and_blas_count": ({"TZ": "Asia/Kolkata", "GOTO_NUM_THREADS": "1"},
+                                         "same"),
+    "read_at_load_only": ({"TORCH_SHOW_CPP_STACKTRACES": "1"}, "fresh"),
+    "openmp_binding": ({"OMP_PROC_BIND": "true", "OMP_NUM_THREADS": "1"}, "fresh"),
+}
+STEP_KEYS = {k for extra, _ in CASES.values() for k in extra}
+
+
+@pytest.fixture(scope="module")
+def base_env(tmp_path_factory):
+    """The zygote's environment: none of the cases' variables, the stand-in NVML and the
+    capturing module on PYTHONPATH, a private cache."""
+    env = {k: v for k, v in os.environ.items() if k not in STEP_KEYS and k not in NATIVE_ENV}
+    path = [program("preloaded"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env.update(PYTHONPATH=os.pathsep.join(path), PRELOAD_LAUNCHER_MODULES=MODULES,
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path_factory.mktemp("cache")))
+    return env
+
+
+def seen(output: str) -> list[dict]:
+    """What each process reported (one line each; ranks in rank order), minus whether it was
+    forked."""
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    return sorted(({k: v for k, v in s.items() if k != "preloaded"} for s in lines),
+                  key=lambda s: str(s["rank"]))
+
+
+def forked(output: str) -> list[bool]:
+    return [json.loads(line)["preloaded"] for line in output.splitlines() if line.startswith("{")]
+
+
+def test_run_gives_each_step_a_fresh_interpreters_configuration(base_env):
+    launcher = Launcher(MODULES.split(","))
+    try:
+        launcher.prestart(base_env)
+        for name, (extra, served) in CASES.items():
+            env = dict(base_env, **extra)
+            got = launcher.run([PY, PROGRAM], env=env)
+            ref = plain([PY, PROGRAM], env=env)
+            assert (got.returncode, ref.returncode) == (0, 0), got.stdout + ref.stdout
+            assert seen(got.stdout) == seen(ref.stdout), name
+            assert got.via == "zygote" and forked(got.stdout) == [True], name
+            assert len(launcher.zygotes) == {"same": 1, "fresh": 2}[served], name
+            if served == "fresh":  # started for this environment; the next case starts over
+                launcher.zygotes.pop().close()
+    finally:
+        launcher.close()
+
+
+def test_torchrun_ranks_get_a_fresh_interpreters_configuration(base_env):
+    launcher = Launcher(MODULES.split(","))
+    launch = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", PROGRAM]
+    try:
+        launcher.prestart(base_env)
+        for name in ("as_the_zygote", "re_read_in_the_step"):
+            env = dict(base_env, **CASES[name][0])
+            got = launcher.run(launch, env=env)
+            ref = plain(launch, env=env)
+            assert (got.returncode, ref.returncode) == (0, 0), got.stdout + ref.stdout
+            assert seen(got.stdout) == seen(ref.stdout), name
+            assert got.via == "zygote" and forked(got.stdout) == [True, True], name
+        assert len(launcher.zygotes) == 1
+    finally:
+        launcher.close()
+
+
+def test_the_cli_gives_each_step_a_fresh_interpreters_configuration(base_env, tmp_path):
+    runtime = dict(base_env, XDG_RUNTIME_DIR=str(tmp_path))
+    cli = [PY, "-m", "preload_launcher.cli"]
+    started = subprocess.run([*cli, "serve", "--detach"], env=runtime, capture_output=True,
+                             text=True, timeout=300)
+    assert started.returncode == 0, started.stderr
+    try:
+        for name, (extra, served) in CASES.items():
+            env = dict(runtime, **extra)
+            got = subprocess.run([*cli, "run", "-v", "--", PY, PROGRAM], env=env,
+                                 capture_output=True, text=True, timeout=300)
+            ref = plain([PY, PROGRAM], env=env)
+            assert seen(got.stdout) == seen(ref.stdout), name
+            assert forked(got.stdout) == [True], name
+            how = {"same": "through the daemon", "fresh": "one-off zygote"}[served]
+            assert how in got.stderr, (name, got.stderr)
+    finally:
+        subprocess.run([*cli, "stop"], env=runtime, capture_output=True, timeout=120)
+
+
+SUITE = """
+    import json, os, subprocess, sys
+    import pytest
+
+    CASES = json.loads(os.environ["STEP_CASES"])
+
+    @pytest.mark.parametrize("name", sorted(CASES))
+    def test_step(name):
+        env = dict(os.environ, **CASES[name])
+        done = subprocess.run([sys.executable, os.environ["STEP_PROGRAM"]], env=env,
+                              capture_output=True, text=True)
+        with open(os.path.join(os.environ["STEP_RESULTS"], name), "w") as f:
+            f.write(done.stdout)
+        assert done.returncode == 0, done.stderr
+"""
+
+
+def test_the_suite_switch_gives_each_step_a_fresh_interpreters_configuration(base_env, tmp_path):
+    (tmp_path / "test_steps.py").write_text(textwrap.dedent(SUITE))
+    outputs = {}
+    for mode in ("0", "suite"):
+        results = tmp_path / f"results-{mode}"
+        results.mkdir()
+        env = dict(base_env, PRELOAD_LAUNCHER=mode, STEP_PROGRAM=PROGRAM,
+                   STEP_RESULTS=str(results),
+                   STEP_CASES=json.dumps({name: extra for name, (extra, _) in CASES.items()}))
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "test_steps.py"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        outputs[mode] = {p.name: p.read_text() for p in results.iterdir()}
+    for name, (_, served) in CASES.items():
+        assert seen(outputs["suite"][name]) == seen(outputs["0"][name]), name
+        assert forked(outputs["suite"][name]) == [served == "same"], name
+        assert forked(outputs["0"][name]) == [False], name
