@@ -18,7 +18,9 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["reapply", "refusal"]
+__all__ = ["REREAD", "reapply", "refusal"]
+
+REREAD = ("TZ", "TORCH_DISTRIBUTED_DEBUG")  # the variables ``reapply`` reads again
 
 _refusal = ""
 

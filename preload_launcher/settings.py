@@ -62,6 +62,8 @@ NATIVE_ENV = (
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_LINALG_PREFER_CUSOLVER",  # handler; backend
     "TORCH_BLAS_PREFER_CUBLASLT", "KINETO_USE_DAEMON", "THP_MEM_ALLOC_ENABLE",  # choices,
     "PYTORCH_JIT_LOG_LEVEL", "TORCH_JIT_DISABLE_NEW_EXECUTOR",  # the profiler, the JIT
+    "TORCH_LINALG_PREFER_HIPSOLVER", "TORCH_BLAS_PREFER_HIPBLASLT",  # and on ROCm builds
+    "TORCH_ROCM_FA_PREFER_CK",
     "OPENSSL_ia32cap", "OPENSSL_CONF",  # OpenSSL (through _ssl/_hashlib): CPU features, config
     "PSUTIL_DEBUG",  # psutil's C extension
     "MALLOC_*", "GLIBC_TUNABLES",  # glibc's allocator, set up at process start

@@ -21,9 +21,12 @@ import textwrap
 import pytest
 
 from preload_launcher import Launcher
-from preload_launcher.settings import NATIVE_ENV
+from preload_launcher.native_env import REREAD
+from preload_launcher.settings import NATIVE_ENV, THREAD_ENV
 
 from conftest import PY, plain, program
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.needs_torch
 
@@ -80,6 +83,12 @@ def test_run_gives_each_step_a_fresh_interpreters_configuration(base_env):
             assert len(launcher.zygotes) == {"same": 1, "fresh": 2}[served], name
             if served == "fresh":  # started for this environment; the next case starts over
                 launcher.zygotes.pop().close()
+        # A level torch refuses fails a fresh interpreter's `import torch`: the step runs as one.
+        env = dict(base_env, TORCH_DISTRIBUTED_DEBUG="LOUD")
+        got, ref = launcher.run([PY, PROGRAM], env=env), plain([PY, PROGRAM], env=env)
+        assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
+        assert ref.returncode == 1 and "TORCH_DISTRIBUTED_DEBUG must be" in ref.stdout
+        assert got.via == "subprocess" and "TORCH_DISTRIBUTED_DEBUG" in got.reason
     finally:
         launcher.close()
 
@@ -156,3 +165,18 @@ def test_the_suite_switch_gives_each_step_a_fresh_interpreters_configuration(bas
         assert seen(outputs["suite"][name]) == seen(outputs["0"][name]), name
         assert forked(outputs["suite"][name]) == [served == "same"], name
         assert forked(outputs["0"][name]) == [False], name
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler")
+def test_every_variable_native_code_reads_at_load_is_handled():
+    """Each variable the stack's native code reads while torch (and numpy) load is re-read in
+    the step (``native_env``, ``threads``) or in ``settings.NATIVE_ENV``: a library upgrade
+    that reads a new one fails here, not silently in a step."""
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "native_env_reads.sh"),
+                           "numpy,torch"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    read = [name for name in done.stdout.split() if not name.startswith("==")]
+    families = tuple(entry[:-1] for entry in NATIVE_ENV if entry.endswith("*"))
+    handled = set(REREAD) | set(THREAD_ENV) | set(NATIVE_ENV)
+    assert "OMP_PROC_BIND" in read and "TORCH_SHOW_CPP_STACKTRACES" in read, read
+    assert [n for n in read if n not in handled and not n.startswith(families)] == []

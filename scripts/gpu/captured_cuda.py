@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -104,6 +105,7 @@ def main() -> int:
                     print(f"  {label}: {line}")
     finally:
         launcher.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     print("OK" if ok else "FAIL")
     return 0 if ok else 1
 
