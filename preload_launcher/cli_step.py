@@ -32,7 +32,7 @@ def run_forked(args: argparse.Namespace, modules: Sequence[str], named_in: str) 
         how = "a one-off zygote"
     try:
         # The step gets the CLI's own stdin, stdout and stderr, a terminal included.
-        result = launcher.run(args.command, timeout=args.timeout, capture=False)
+        result = launcher.run(args.command, timeout=args.timeout, capture=False, relay=True)
     except KeyboardInterrupt:
         return -signal.SIGINT
     except subprocess.TimeoutExpired:

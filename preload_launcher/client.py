@@ -23,7 +23,7 @@ from .crashes import signal_name
 from .result import LauncherError, StepResult, ZygoteDied
 from .settings import Settings
 from .caller_fds import guarded_stdio
-from .waiting import StepWait, decode, run_subprocess, wait_for_step
+from .waiting import StepWait, decode, run_subprocess, wait_for_step, wait_relaying
 from .zygote_handle import ZygoteProcess
 
 __all__ = ["ZygoteProcess", "Launcher", "run", "run_capturing", "default_launcher"]
@@ -103,18 +103,21 @@ class Launcher:
     # -------------------------------------------------------------- run
 
     def run(self, args, *, cwd=None, env=None, timeout=None, check=False,
-            echo=False, capture=True) -> StepResult:
+            echo=False, capture=True, relay=False) -> StepResult:
         """Like ``subprocess.run(args, cwd=, env=, timeout=, check=, stdout=PIPE, stderr=STDOUT,
         text=True)``, served by a forked child of a preloaded zygote when the command allows.
         ``capture=False``: like ``subprocess.run`` without ``stdout=``, the step gets the
-        caller's own fds 0-2 (``result.stdout`` is None)."""
+        caller's own fds 0-2 (``result.stdout`` is None). ``relay``: this process stands for
+        the step, as the CLI does (``mirroring``): every signal it gets is relayed, it stops
+        when the step stops, and Ctrl-C is the step's to act on (no kill after a grace)."""
         args = check_args(args)
         step_env = check_env(os.environ if env is None else env)
         step_cwd = check_cwd(cwd)
         wanted = Settings.from_env(step_env)  # a bad launcher variable in env= is the caller's error
 
         def plain(reason: str, run_env: Mapping[str, str] = step_env) -> StepResult:
-            return run_subprocess(args, cwd, run_env, timeout, check, echo, reason, capture)
+            return run_subprocess(args, cwd, run_env, timeout, check, echo, reason, capture,
+                                  relay)
 
         if not Settings.from_env().enabled:
             return self._count(plain("PRELOAD_LAUNCHER=0"))
@@ -131,11 +134,11 @@ class Launcher:
             return self._count(plain(f"zygote failed to start: {err}"))
         with self._lock:
             self.stats["waited_s"] += time.monotonic() - waiting
-        result = self._run_in_zygote(zygote, parsed, timeout, echo, capture)
+        result = self._run_in_zygote(zygote, parsed, timeout, echo, capture, relay)
         if isinstance(result, dict) and result.get("retry"):
             # A stale daemon restarts itself; its listener queues us until it serves again.
             print(f"preload_launcher: zygote restarting ({result['reason']})", file=sys.stderr)
-            result = self._run_in_zygote(zygote, parsed, timeout, echo, capture)
+            result = self._run_in_zygote(zygote, parsed, timeout, echo, capture, relay)
         if isinstance(result, dict):  # a "fallback" event: the zygote cannot serve this step
             if result.get("retire", True):
                 self._retire(zygote)  # it refused to fork: it is not clean
@@ -246,7 +249,7 @@ class Launcher:
         return result
 
     def _run_in_zygote(self, zygote: ZygoteProcess, spec: StepSpec, timeout: Optional[float],
-                       echo: bool, capture: bool) -> Union[StepResult, dict]:
+                       echo: bool, capture: bool, relay: bool = False) -> Union[StepResult, dict]:
         """The step's result, or the ``fallback`` event saying why it cannot be served."""
         requested_at = time.time()
         start = time.monotonic()
@@ -270,7 +273,7 @@ class Launcher:
                 if out_w is not None:
                     os.close(out_w)
             waiter = StepWait(sock, out_r, echo, zygote.pid)
-        wait_for_step(waiter, spec.args, timeout, start)
+        (wait_relaying if relay else wait_for_step)(waiter, spec.args, timeout, start)
         return _result_of(zygote, spec, waiter, time.monotonic() - start, requested_at)
 
 

@@ -46,7 +46,8 @@ FIRST_SEND = 65536
 OPS = {"step": ("spec",), "status": (), "stop": (), "signal": ("signum",)}
 EVENTS = {"started": ("pid",), "exec": ("t",),
           "error": ("type", "errno", "strerror", "filename"),
-          "fallback": ("reason",), "exit": ("returncode",), "status": ("pid",),
+          "fallback": ("reason",), "exit": ("returncode",),
+          "stopped": ("signum", "relayed"), "status": ("pid",),
           "stopping": ("pid",), "refused": ("reason",), "granted": ("gpus", "waited_s")}
 
 

@@ -20,8 +20,10 @@ class Step:
         self.conn = conn
         self.standin = standin
         self.reader = protocol.EventReader()
+        self.relayed = 0  # its caller's signals delivered so far (a stop report says how many)
 
     def signal(self, signum: int) -> None:
+        self.relayed += 1
         if not self.standin:
             runtime.signal_group(self.pid, signum)
             return

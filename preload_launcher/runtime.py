@@ -18,12 +18,12 @@ import resource
 import signal
 import sys
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Optional
 
-from . import deferral, interpreter, native_env, process_attrs, program_exit, protocol, threads
+from . import (deferral, interpreter, mirroring, native_env, process_attrs, program_exit, protocol,
+               threads)
 from .command import StepSpec
 from .program_exit import exit_status_of
 from .settings import Settings
@@ -88,19 +88,9 @@ def fork(body: Callable[[], int], new_group: bool = True) -> int:
 
 def exit_with(code: int) -> NoReturn:
     """``os._exit`` for codes >= 0; a negative code -N ends the process by signal N, as the
-    parent's ``waitpid`` then reports it (python itself does this for KeyboardInterrupt)."""
-    if code < 0:
-        signum = -code
-        try:
-            if signum not in (signal.SIGKILL, signal.SIGSTOP):
-                signal.signal(signum, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-            os.kill(os.getpid(), signum)
-            time.sleep(5)
-        except (OSError, ValueError):
-            pass
-        code = 128 + signum
-    os._exit(code & 0xFF)
+    parent's ``waitpid`` then reports it (``mirroring.die_like``: a process standing for a
+    program ends the same way)."""
+    mirroring.die_like(code)
 
 
 def flush_std_streams() -> bool:

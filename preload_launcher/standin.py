@@ -12,14 +12,15 @@ Two kinds of step start interpreters of their own, each paying the full import a
 
 A stand-in asks the zygote to fork the same command with its own fds, cwd and environment
 (the stand-in directory taken off ``PATH``, so the program reads what it would without it),
-then stands in for it: signals it receives are forwarded and it exits with the child's status,
-so the caller's ``wait``/``kill`` work unchanged. Anything the zygote cannot serve, or a zygote
+then stands for it (``mirroring``): every catchable signal it receives is relayed, it stops
+when the program stops and ends as the program ended, a signal included, so the caller's
+``wait``/``kill`` and a shell's job control work unchanged. Anything the zygote cannot serve, or a zygote
 that is gone, becomes the real program (``execve``), fds intact.
 
 ``install`` writes this source behind a ``#!python -IS`` line, the socket path (``SOCKET``) and
-the source of ``protocol`` (``PROTOCOL_SOURCE``, the one wire) and of ``process_attrs`` (what a
-program inherits from its caller, sent with the request): the standard library only, so
-a stand-in starts in milliseconds.
+the source of ``protocol`` (``PROTOCOL_SOURCE``, the one wire), of ``process_attrs`` (what a
+program inherits from its caller, sent with the request) and of ``mirroring`` (standing for
+the program): the standard library only, so a stand-in starts in milliseconds.
 """
 
 import os
@@ -29,12 +30,10 @@ import sys
 import types
 
 if __name__ != "__main__":  # imported by the launcher; the written executable embeds protocol
-    from . import process_attrs, protocol
+    from . import mirroring, process_attrs, protocol
     from .files import zygote_files
     from .rundir import owned_privately
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2)
 PROGRAM = "standin"  # the file multiprocessing runs; the named links beside it are for PATH
 # Set only for a stand-in run in place of a program a test process started (suite_wide):
 # "real path\nargv[0]"; taken out of the environment before anything else sees it.
@@ -63,12 +62,15 @@ def install(socket_path: str) -> str:
         protocol_source = f.read()
     with open(process_attrs.__file__, encoding="utf-8") as f:
         attrs_source = f.read()
+    with open(mirroring.__file__, encoding="utf-8") as f:
+        mirroring_source = f.read()
     path = os.path.join(directory, PROGRAM)
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)
     with open(fd, "w", encoding="utf-8") as f:
         f.write(f"{shebang}SOCKET = {socket_path!r}\nPROTOCOL_SOURCE = {protocol_source!r}\n"
-                f"PROCESS_ATTRS_SOURCE = {attrs_source!r}\n" + source)
+                f"PROCESS_ATTRS_SOURCE = {attrs_source!r}\n"
+                f"MIRRORING_SOURCE = {mirroring_source!r}\n" + source)
     os.replace(tmp, path)  # a step never runs a half-written stand-in
     return path if trusted(path) else ""
 
@@ -168,7 +170,7 @@ class Invocation:
         """Run the real program, as if this stand-in had never been there."""
         if not self.real:
             os.write(2, f"{self.name}: command not found\n".encode())
-            exit_like(127)
+            mirroring.die_like(127)
         os.execve(self.real, self.args, self.env)
 
 
@@ -178,22 +180,6 @@ def which(name: str, path: str) -> str:
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return ""
-
-
-def exit_like(code: int) -> None:
-    """Exit with the child's status: a code, or death by the same signal."""
-    if code < 0:
-        if -code not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
-
-
-def forward_signals(sock: socket.socket) -> None:
-    def forward(signum, _frame):
-        protocol.send_op(sock, "signal", signum=signum)
-    for signum in FORWARDED:
-        signal.signal(signum, forward)
 
 
 def embedded_module(name: str, source: str) -> types.ModuleType:
@@ -223,6 +209,9 @@ def main(socket_path: str) -> None:
     stdio = open_stdio()  # a closed stdin stays closed in the program
     fds = stdio + inherited_fds()
     sock = submit(socket_path, invocation, fds)
+    # From here on the program is (being) forked: what is sent to us is meant for it.
+    mirror = mirroring.Mirror(lambda signum: protocol.send_op(sock, "signal", signum=signum))
+    mirror.install()
     running, retried = False, False
     reader = protocol.EventReader()
     while True:
@@ -233,14 +222,15 @@ def main(socket_path: str) -> None:
         if not data:
             if not running:
                 invocation.become_real()
-            exit_like(-signal.SIGKILL)  # the zygote died, and the child with it
+            mirroring.die_like(-signal.SIGKILL)  # the zygote died, and the child with it
         for event in reader.feed(data):
             kind = event.get("event")
             if kind == "exec" and not running:
                 running = True
                 for fd in fds[len(stdio):]:  # the child holds them now
                     os.close(fd)
-                forward_signals(sock)
+            elif kind == "stopped":
+                mirror.on_stopped(int(event["signum"]), int(event["relayed"]))
             elif kind == "fallback" and event.get("retry") and not retried:
                 # A stale zygote restarts once idle; its listener queues us until it serves.
                 sock.close()
@@ -251,10 +241,11 @@ def main(socket_path: str) -> None:
                 sock.close()
                 invocation.become_real()  # the program itself reports what went wrong, if anything
             elif kind == "exit":
-                exit_like(int(event["returncode"]))
+                mirroring.die_like(int(event["returncode"]))
 
 
 if __name__ == "__main__":  # the written executable: SOCKET and the sources precede this
     protocol = embedded_module("preload_launcher_protocol", PROTOCOL_SOURCE)  # noqa: F821
     process_attrs = embedded_module("preload_launcher_process_attrs", PROCESS_ATTRS_SOURCE)  # noqa: F821
+    mirroring = embedded_module("preload_launcher_mirroring", MIRRORING_SOURCE)  # noqa: F821
     main(SOCKET)  # noqa: F821

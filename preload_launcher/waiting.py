@@ -19,9 +19,11 @@ import time
 from typing import Optional
 
 from . import protocol
+from .mirroring import Mirror
 from .result import StepResult
 
-__all__ = ["StepWait", "wait_for_step", "run_subprocess", "decode", "kill_group"]
+__all__ = ["StepWait", "wait_for_step", "wait_relaying", "run_subprocess", "decode",
+           "kill_group"]
 
 EXIT_DRAIN_S = 0.5  # after the step's exit, how long escaped grandchildren may hold the output
 KILL_WAIT_S = 10.0
@@ -45,6 +47,7 @@ class StepWait:
         self.output = bytearray()
         self.events: dict[str, dict] = {}
         self.zygote_died = False
+        self.on_stopped = None  # called with a "stopped" event (the step stopped), if set
         self._reader = protocol.EventReader()
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.selector = selectors.DefaultSelector()
@@ -108,6 +111,10 @@ class StepWait:
                 self._zygote_gone()
             return
         for event in self._reader.feed(data):
+            if event["event"] == "stopped":
+                if self.on_stopped is not None:
+                    self.on_stopped(int(event["signum"]), int(event["relayed"]))
+                continue
             # The first report wins: a step reports its exit before its process is torn down,
             # and the zygote reports it again when it reaps the process.
             self.events.setdefault(event["event"], event)
@@ -169,6 +176,27 @@ def wait_for_step(waiter: StepWait, args, timeout: Optional[float], start: float
         waiter.close()
 
 
+def wait_relaying(waiter: StepWait, args, timeout: Optional[float], start: float) -> None:
+    """Wait as the process standing for the step (the CLI): every catchable signal is
+    relayed and the step's stops are mirrored (``mirroring``); a Ctrl-C is the step's to act
+    on, with no kill after a grace (the shell waits for its command as long as it runs).
+    After ``timeout`` the step and everything it started are killed."""
+    mirror = Mirror(waiter.send_signal)
+    waiter.on_stopped = mirror.on_stopped
+    mirror.install()
+    try:
+        if not waiter.pump(None if timeout is None else start + timeout):
+            waiter.send_signal(signal.SIGKILL)
+            waiter.pump(time.monotonic() + KILL_WAIT_S)
+            raise subprocess.TimeoutExpired(args, timeout, output=_captured(waiter))
+    except BaseException:
+        waiter.send_signal(signal.SIGKILL)
+        raise
+    finally:
+        mirror.uninstall()
+        waiter.close()
+
+
 def _captured(waiter: StepWait) -> Optional[str]:
     return decode(waiter.output) if waiter.out_r is not None else None
 
@@ -179,9 +207,11 @@ def decode(data: bytes) -> str:
     return io.TextIOWrapper(io.BytesIO(bytes(data)), encoding=encoding, errors="replace").read()
 
 
-def run_subprocess(args, cwd, env, timeout, check, echo, reason, capture=True) -> StepResult:
+def run_subprocess(args, cwd, env, timeout, check, echo, reason, capture=True,
+                   relay=False) -> StepResult:
     """The plain path: ``subprocess.run`` semantics, the step in its own process group.
-    ``capture`` False: the step writes to the caller's own stdout and stderr."""
+    ``capture`` False: the step writes to the caller's own stdout and stderr. ``relay``: this
+    process stands for the step (``wait_relaying``), its signals going to the step's group."""
     start = time.monotonic()
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if capture else {}
     with subprocess.Popen(args, cwd=cwd, env=env, **pipe, **OWN_PROCESS_GROUP) as proc:
@@ -190,7 +220,10 @@ def run_subprocess(args, cwd, env, timeout, check, echo, reason, capture=True) -
         if capture:
             reader.start()
         try:
-            proc.wait(timeout=timeout)
+            if relay:
+                _wait_relaying_for(proc, timeout)
+            else:
+                proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_group(proc.pid)
             proc.wait()
@@ -210,6 +243,30 @@ def run_subprocess(args, cwd, env, timeout, check, echo, reason, capture=True) -
     return result
 
 
+def _wait_relaying_for(proc: subprocess.Popen, timeout: Optional[float]) -> None:
+    """``proc.wait(timeout)`` as the process standing for it: signals relayed to its group,
+    its stops mirrored."""
+    mirror = Mirror(lambda signum: kill_group(proc.pid, signum))
+    mirror.install()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while proc.returncode is None:
+            flags = os.WEXITED | os.WSTOPPED | (0 if deadline is None else os.WNOHANG)
+            relayed = mirror.sent  # a SIGCONT relayed from here on may have ended the stop
+            info = os.waitid(os.P_PID, proc.pid, flags | os.WNOWAIT)
+            if info is not None and info.si_code == os.CLD_STOPPED:
+                os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WNOHANG)  # reported once
+                mirror.on_stopped(info.si_status, relayed)
+            elif info is not None:
+                proc.wait()
+            elif time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(proc.args, timeout)
+            else:
+                time.sleep(min(0.05, deadline - time.monotonic()))
+    finally:
+        mirror.uninstall()
+
+
 def _pump_pipe(proc: subprocess.Popen, chunks: list, echo: bool) -> None:
     for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):
         chunks.append(chunk)
@@ -223,8 +280,8 @@ def _join(reader: threading.Thread) -> None:
         reader.join(EXIT_DRAIN_S)
 
 
-def kill_group(pgid: int) -> None:
+def kill_group(pgid: int, signum: int = signal.SIGKILL) -> None:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, signum)
     except (ProcessLookupError, PermissionError):
         pass

@@ -276,11 +276,14 @@ class Zygote(ZygoteRequests):
     def reap(self) -> None:
         while True:
             try:
-                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 break
             if info is None:
                 break
+            if info.si_code == os.CLD_STOPPED:
+                self.report_stop(info.si_pid)
+                continue
             # The leader is a zombie: its group cannot be recycled yet, so this is safe.
             if not getattr(self.steps.get(info.si_pid), "standin", False):
                 runtime.signal_group(info.si_pid, signal.SIGKILL)
@@ -292,6 +295,19 @@ class Zygote(ZygoteRequests):
                 self.start_granted()
         self.learn_due = bool(self.learn_reports_dir)
         self.restart_if_idle()
+
+    def report_stop(self, pid: int) -> None:
+        """A step stopped (a caller's SIGTSTP relayed, a SIGSTOP): its caller stops too, as the
+        process standing for it (``mirroring``)."""
+        stopped = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG)  # consumed: reported once
+        running = self.steps.get(pid)
+        if stopped is None or running is None:
+            return
+        try:
+            protocol.send_event(running.conn, "stopped", signum=stopped.si_status,
+                                relayed=running.relayed)
+        except OSError:
+            pass  # its caller is gone: the step is killed as its connection ends
 
     def report_exit(self, pid: int, code: int) -> None:
         """The reaper's exit report: the fallback for a step that died without reporting."""

@@ -52,8 +52,8 @@ def test_importing_the_package_loads_only_the_callers_side():
 def test_a_run_without_a_daemon_loads_neither_the_client_nor_the_zygote_side():
     """The console script's import path and `run`'s own, before it knows a zygote is needed."""
     loaded = loaded_by("import preload_launcher.cli, preload_launcher.cli_run")
-    assert loaded == {"cli", "cli_run", "daemon_files", "files", "identity", "result",
-                      "rundir", "settings"}, loaded
+    assert loaded == {"cli", "cli_run", "daemon_files", "files", "identity", "mirroring",
+                      "result", "rundir", "settings"}, loaded
 
 
 def test_no_import_cycles_and_no_function_level_package_imports():
@@ -78,8 +78,9 @@ def test_one_fork_and_one_child_exit():
     forks = {name: s.count("os.fork(") for name, s in src.items() if "os.fork(" in s}
     assert forks == {"runtime": 1}
     exits = {name: s.count("os._exit(") for name, s in src.items() if "os._exit(" in s}
-    # runtime: every forked process; zygote: the zygote's own end; standin: its program.
-    assert exits == {"runtime": 1, "zygote": 1, "standin": 1}, exits
+    # mirroring: every forked process (runtime.exit_with), and a process standing for a
+    # program (a stand-in, the CLI) ends as the program did; zygote: the zygote's own end.
+    assert exits == {"zygote": 1, "mirroring": 1}, exits
 
 
 def test_only_settings_reads_the_launchers_variables():

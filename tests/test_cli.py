@@ -11,8 +11,9 @@ from preload_launcher.cli import build_parser
 from conftest import PY
 
 CLI = [PY, "-m", "preload_launcher.cli"]
-# A step worth a daemon: `run` starts none after a command that used under a second of CPU.
-BUSY = "import sys, time\nwhile time.process_time() < 1.1:\n    pass\n"
+# A step worth a daemon: `run` starts none after a command that used under a second of CPU
+# (read while it runs: its last moments may go uncounted, hence the margin).
+BUSY = "import sys, time\nwhile time.process_time() < 1.3:\n    pass\n"
 
 
 def cli(*args, env=None, timeout=120):

@@ -19,7 +19,7 @@ from preload_launcher.reporting import entry_result, preload_problems
 from conftest import PY, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUSY = "import time\nwhile time.process_time() < 1.1:\n    pass\n"  # worth a daemon
+BUSY = "import time\nwhile time.process_time() < 1.3:\n    pass\n"  # worth a daemon
 
 
 @pytest.fixture

@@ -1,0 +1,95 @@
+"""Standing for a program that runs in another process (the CLI for its step, a stand-in for
+the program it asked the zygote for): every signal the caller sends reaches the program, and
+what happens to the program happens to the process standing for it — it stops when the program
+stops, and it ends as the program ended, by the same signal included — so that a caller, a
+shell or a terminal cannot tell the two apart.
+
+One rule, not a list: every catchable signal is relayed, job control included. The program
+runs in a session of the zygote's, so a terminal's signals (sent to its foreground process
+group) reach it only through the process standing for it, once. The standard library only:
+the stand-in embeds this source.
+"""
+
+import os
+import signal
+import time
+
+__all__ = ["relayed_signals", "Mirror", "die_like", "stop_like"]
+
+# Left at their default: SIGKILL and SIGSTOP cannot be caught, SIGCHLD is about our own
+# children, and a handler for a fault this process raised itself would return to the faulting
+# instruction and loop (sent from outside, they still end the program, through its stand-in).
+NOT_RELAYED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGSEGV, signal.SIGBUS,
+               signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, getattr(signal, "SIGSYS", 31)}
+
+
+def relayed_signals() -> list:
+    """Every signal a process standing for a program relays to it."""
+    return sorted(int(s) for s in signal.valid_signals() if s not in NOT_RELAYED)
+
+
+def die_like(returncode: int) -> None:
+    """End this process as the program ended: ``os._exit`` for codes >= 0; a negative code -N
+    ends it by signal N (at its default disposition), as the parent's ``waitpid`` then reports
+    it (python itself does this for KeyboardInterrupt; a shell and ``env`` end so too)."""
+    if returncode < 0:
+        signum = -returncode
+        try:
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(signum, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # another thread may take it; the process ends all the same
+        except (OSError, ValueError):
+            pass
+        returncode = 128 + signum  # one whose default is to be ignored: the shell's code
+    os._exit(returncode & 0xFF)
+
+
+def stop_like(signum: int) -> None:
+    """Stop this process with the signal that stopped the program; returns once continued."""
+    if signum == signal.SIGSTOP:
+        os.kill(os.getpid(), signum)
+        return
+    before = signal.signal(signum, signal.SIG_DFL)
+    try:
+        os.kill(os.getpid(), signum)  # delivered (and stopped on) before kill returns
+    finally:
+        signal.signal(signum, before)
+
+
+class Mirror:
+    """Relays every catchable signal through ``relay(signum)`` while installed, and stops when
+    the program stops (``on_stopped``). A ``stopped`` report that a SIGCONT relayed after it
+    overtakes is not mirrored: the program is running again (a caller's TSTP then CONT in
+    quick succession must not leave this process stopped)."""
+
+    def __init__(self, relay) -> None:
+        self.relay = relay
+        self.sent = 0  # signals relayed so far, in order
+        self.last_cont = 0  # the number of the last SIGCONT relayed
+        self.before: dict = {}
+
+    def install(self, skip=()) -> None:
+        for signum in set(relayed_signals()) - set(skip):
+            try:
+                self.before[signum] = signal.signal(signum, self._on_signal)
+            except (OSError, ValueError):  # one the platform reserves
+                pass
+
+    def uninstall(self) -> None:
+        for signum, handler in self.before.items():
+            signal.signal(signum, handler)
+        self.before.clear()
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.sent += 1
+        if signum == signal.SIGCONT:
+            self.last_cont = self.sent
+        self.relay(signum)
+
+    def on_stopped(self, signum: int, relayed_before: int) -> None:
+        """The program stopped, with ``relayed_before`` of our signals delivered to it."""
+        if self.last_cont > relayed_before:
+            return
+        stop_like(signum)

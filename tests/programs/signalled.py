@@ -1,0 +1,43 @@
+"""Starts a command as a caller would, sends it a signal once it is ready, and prints how it
+ended as JSON: ``signalled.py WAY SIGNAL TARGET -- COMMAND…``.
+
+WAY: ``plain``, or ``switch`` (this process's launches go through the suite switch, as in a
+test of a ``PRELOAD_LAUNCHER=suite`` session). TARGET: ``pid`` (``kill``), ``group``
+(``killpg``, as a terminal signals its foreground job; the command then leads a group of its
+own, in this session). SIGNAL ``stop``: SIGTSTP to TARGET, then, once this process saw the
+command stop, SIGCONT; recorded: the stop seen and whether the program itself was stopped.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+way, sig, target = sys.argv[1:4]
+command = sys.argv[5:]
+if way == "switch":
+    from preload_launcher import Launcher, suite_wide
+    launcher = Launcher(["json"])
+    suite_wide.install(launcher)
+proc = subprocess.Popen(command, stdout=subprocess.PIPE, preexec_fn=os.setpgrp)
+ready = proc.stdout.readline().split()
+program = int(ready[1])
+send = os.killpg if target == "group" else os.kill
+seen = {}
+if sig == "stop":
+    send(proc.pid, signal.SIGTSTP)
+    stopped = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+    seen["stopped_by"] = stopped.si_status if stopped.si_code == os.CLD_STOPPED else None
+    with open(f"/proc/{program}/stat") as f:
+        seen["program_state"] = f.read().rsplit(")", 1)[1].split()[0]
+    os.waitid(os.P_PID, proc.pid, os.WSTOPPED)  # consumed, as a shell's wait would
+    send(proc.pid, signal.SIGCONT)
+else:
+    send(proc.pid, int(sig))
+seen["returncode"] = proc.wait(timeout=60)
+seen["output"] = proc.stdout.read().decode()
+if way == "switch":
+    seen["forked"] = suite_wide.counts()["interpreters"] == 1
+    suite_wide.uninstall()
+    launcher.close()
+print(json.dumps(seen))

@@ -1,0 +1,129 @@
+"""Signals and job control as with the plain command: a caller's signal reaches the program
+however it is run — ``preload-launcher run`` (through the daemon, or the first run's plain
+process), a stand-in under the suite switch — sent to the process the caller started or to its
+process group as a terminal does; a handler that saves a checkpoint runs to its end; a stop is
+seen by the caller and stops the program; a death by signal is the caller's to see.
+Differential: each case plainly and through the launcher, the outcomes compared."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from conftest import PY, program
+
+CLI = [PY, "-m", "preload_launcher.cli", "run", "--"]
+RTMIN = signal.SIGRTMIN
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """An environment whose `run` goes through a warm daemon preloading json."""
+    path = tmp_path_factory.mktemp("signals") / "run"
+    path.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(path), PRELOAD_LAUNCHER_MODULES="json")
+    subprocess.run([PY, "-m", "preload_launcher.cli", "serve", "--detach"], env=env, check=True,
+                   capture_output=True, timeout=120)
+    yield env
+    subprocess.run([PY, "-m", "preload_launcher.cli", "stop", "--all"], env=env,
+                   capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def no_daemon(tmp_path):
+    """An environment with no daemon: `run` runs the command in its own place."""
+    path = tmp_path / "run"
+    path.mkdir(mode=0o700)
+    yield dict(os.environ, XDG_RUNTIME_DIR=str(path), PRELOAD_LAUNCHER_MODULES="json")
+    subprocess.run([PY, "-m", "preload_launcher.cli", "stop", "--all"],
+                   env=dict(os.environ, XDG_RUNTIME_DIR=str(path)), capture_output=True)
+
+
+def signalled(way, sig, target, command, env=None, tmp_path=None, name="plain"):
+    """How ``command`` ended after ``sig``, and what its handler saved (``signalled.py``)."""
+    saved = tmp_path / f"saved-{name}"
+    done = subprocess.run([PY, program("signalled.py"), way, str(sig), target, "--",
+                           *[str(saved) if part == "SAVED" else part for part in command]],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    seen["saved"] = saved.read_text() if saved.exists() else None
+    return seen
+
+
+CHECKPOINT = [PY, program("checkpoint.py"), "SAVED"]
+
+
+@pytest.mark.parametrize("sig, target", [
+    (signal.SIGTERM, "pid"), (signal.SIGINT, "pid"), (signal.SIGHUP, "pid"),
+    (signal.SIGQUIT, "pid"), (signal.SIGUSR1, "pid"), (signal.SIGALRM, "pid"),
+    (signal.SIGWINCH, "pid"), (RTMIN, "pid"),
+    (signal.SIGINT, "group"), (signal.SIGTERM, "group"),
+])
+def test_a_checkpointing_handler_runs_to_its_end_through_the_daemon(daemon, tmp_path, sig,
+                                                                    target):
+    ref = signalled("plain", sig, target, CHECKPOINT, daemon, tmp_path)
+    got = signalled("plain", sig, target, CLI + CHECKPOINT, daemon, tmp_path, "cli")
+    assert ref == {"returncode": 3, "output": "", "saved": f"saved on {int(sig)}\n"}, ref
+    assert got == ref
+
+
+@pytest.mark.parametrize("sig, target", [(signal.SIGTERM, "pid"), (signal.SIGINT, "group"),
+                                         (RTMIN, "pid")])
+def test_a_checkpointing_handler_runs_to_its_end_on_the_first_plain_run(no_daemon, tmp_path,
+                                                                        sig, target):
+    ref = signalled("plain", sig, target, CHECKPOINT, no_daemon, tmp_path)
+    got = signalled("plain", sig, target, CLI + CHECKPOINT, no_daemon, tmp_path, "cli")
+    assert got == ref and ref["saved"] == f"saved on {int(sig)}\n", (got, ref)
+
+
+@pytest.mark.parametrize("way", ["daemon", "no_daemon"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, RTMIN])
+def test_a_death_by_signal_is_the_callers_to_see(request, tmp_path, way, sig):
+    """Killed by signal N, the program's caller sees -N, not 128+N: a Python caller's
+    returncode, a shell loop that stops at Ctrl-C."""
+    env = request.getfixturevalue(way)
+    command = [PY, program("checkpoint.py"), "SAVED", "default"]
+    ref = signalled("plain", sig, "pid", command, env, tmp_path)
+    got = signalled("plain", sig, "pid", CLI + command, env, tmp_path, "cli")
+    assert ref["returncode"] == -sig and got == ref, (got, ref)
+
+
+@pytest.mark.parametrize("way", ["daemon", "no_daemon"])
+def test_ctrl_z_stops_the_program_and_fg_resumes_it(request, tmp_path, way):
+    """SIGTSTP to the job's group, as a terminal's Ctrl-Z: the caller sees the job stop, the
+    program is stopped (not left running), and SIGCONT resumes it to its normal end."""
+    env = dict(request.getfixturevalue(way), CHECKPOINT_RUN_S="1")
+    command = [PY, program("checkpoint.py"), "SAVED", "default"]
+    ref = signalled("plain", "stop", "group", command, env, tmp_path)
+    got = signalled("plain", "stop", "group", CLI + command, env, tmp_path, "cli")
+    assert ref == {"stopped_by": signal.SIGTSTP, "program_state": "T", "returncode": 0,
+                   "output": "done\n", "saved": None}, ref
+    assert got == ref
+
+
+SWITCHED = [
+    (signal.SIGTERM, "pid"), (signal.SIGINT, "group"), (signal.SIGALRM, "pid"),
+    (signal.SIGWINCH, "pid"), (RTMIN, "pid"), (signal.SIGUSR2, "group"),
+]
+
+
+@pytest.mark.parametrize("sig, target", SWITCHED)
+def test_a_stand_in_under_the_switch_delivers_every_signal(tmp_path, sig, target):
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(PY), os.environ["PATH"]]))
+    ref = signalled("plain", sig, target, CHECKPOINT, env, tmp_path)
+    got = signalled("switch", sig, target, CHECKPOINT, env, tmp_path, "switch")
+    assert got.pop("forked"), "the stand-in ran the real program"
+    assert got == ref and ref["saved"] == f"saved on {int(sig)}\n", (got, ref)
+
+
+def test_a_stand_in_under_the_switch_stops_with_its_program(tmp_path):
+    env = dict(os.environ, CHECKPOINT_RUN_S="1")
+    command = [PY, program("checkpoint.py"), "SAVED", "default"]
+    ref = signalled("plain", "stop", "pid", command, env, tmp_path)
+    got = signalled("switch", "stop", "pid", command, env, tmp_path, "switch")
+    assert got.pop("forked"), "the stand-in ran the real program"
+    assert ref["stopped_by"] == signal.SIGTSTP and ref["program_state"] == "T", ref
+    assert got == ref
