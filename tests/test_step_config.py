@@ -180,3 +180,26 @@ def test_every_variable_native_code_reads_at_load_is_handled():
     handled = set(REREAD) | set(THREAD_ENV) | set(NATIVE_ENV)
     assert "OMP_PROC_BIND" in read and "TORCH_SHOW_CPP_STACKTRACES" in read, read
     assert [n for n in read if n not in handled and not n.startswith(families)] == []
+
+
+def test_a_collective_mismatch_is_detected_in_forked_ranks_as_under_torchrun():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL, which torch.distributed read when the zygote (started
+    without it) imported it: both ranks detect the mismatched all_reduce, as under the real
+    torchrun."""
+    launch = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+              program("collective_mismatch.py")]
+    zygote_env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_DEBUG"}
+    env = dict(zygote_env, TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    launcher = Launcher(["torch"])
+    try:
+        launcher.prestart(zygote_env)
+        got = launcher.run(launch, env=env, timeout=300)
+        ref = plain(launch, env=env, timeout=300)
+        assert len(launcher.zygotes) == 1
+    finally:
+        launcher.close()
+    lines = [sorted(line for line in out.splitlines() if line.startswith("rank "))
+             for out in (got.stdout, ref.stdout)]
+    assert lines[0] == lines[1] == ["rank 0: level DebugLevel.DETAIL: mismatch detected",
+                                    "rank 1: level DebugLevel.DETAIL: mismatch detected"]
+    assert (got.returncode, got.via) == (ref.returncode, "zygote")
