@@ -5,9 +5,11 @@
 #
 #   here:  bash scripts/gpu/modelopt_lane.sh prepare; bash scripts/gpu/transformer_engine.sh fetch
 #          bash scripts/gpu/lanes.sh split-te 20000000   # .te/parts: a small first part, 4 large
+#          bash scripts/gpu/lanes.sh prepare-bridge      # .whl-bridge: megatron-bridge's runtime
 #   there: bash scripts/gpu/lanes.sh setup [ext] [te] [lane NAME LANES ARGS...] ...
 #          the first call carries .whl .modelopt .te/build .te/parts/core.00, each later call one
-#          more part; `te` (once every part is there) joins, installs and builds Transformer Engine.
+#          more part, the sixth .whl-bridge; `te` (once every part is there) joins, installs and
+#          builds Transformer Engine. (.whl, .whl-bridge, .te, .modelopt: in .git/info/exclude.)
 #
 # Each `lane NAME LANES ARGS...` runs scripts/gpu/modelopt_lane.py on the copied checkout (/tmp/mo)
 # with the PYTHONPATH its lanes need and packs its output folder into $OUT/NAME.tgz (report.txt
@@ -21,7 +23,7 @@ EXT=/tmp/torch-ext
 PIP=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade)
 HF=/tmp/site                       # the image's missing wheels, megatron left out
 MCORE=/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-core, TE (the pools' models need TE)
-BRIDGE=/tmp/site-bridge:/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-bridge, TE
+BRIDGE=/tmp/site-energon:/tmp/site-bridge:/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-bridge, TE
 
 stamp() { echo "[lanes $(date -u +%T)] $*"; }
 
@@ -29,6 +31,12 @@ setup() {
   [ -d /tmp/site ] || "${PIP[@]}" --target /tmp/site $(ls .whl/*.whl | grep -v -E '/megatron_(core|bridge)-')
   [ -d /tmp/site-mcore ] || "${PIP[@]}" --target /tmp/site-mcore .whl/megatron_core-*.whl
   [ -d /tmp/site-bridge ] || "${PIP[@]}" --target /tmp/site-bridge .whl/megatron_bridge-*.whl
+  # megatron-bridge's runtime (energon, puzzletron's and nvidia-resiliency-ext's needs, diffusers)
+  # in a folder of its own: energon's wheel has a `megatron/` too, and pip --target --upgrade
+  # replaces a top-level folder whole (it removed megatron/bridge once).
+  if [ -d .whl-bridge ] && [ ! -d /tmp/site-energon ]; then
+    "${PIP[@]}" --target /tmp/site-energon .whl-bridge/*.whl
+  fi
   [ -d $MO ] || cp -a .modelopt $MO
   if [ -d .te ]; then bash scripts/gpu/transformer_engine.sh receive | tail -n 12; fi
   stamp "setup done; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
@@ -68,6 +76,19 @@ lane() {  # NAME LANES [modelopt_lane.py options]
   tar czf "$OUTDIR/$name.tgz" -C /tmp "lane-$name"
 }
 
+prepare_bridge() {  # here: what megatron-bridge 0.6.2's distill steps import that the image lacks
+  local plat=(--python-version 3.12 --implementation cp --platform any --platform manylinux_2_17_x86_64
+              --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64
+              --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
+  python3 -m pip download -q --no-deps --only-binary=:all: "${plat[@]}" -d .whl-bridge \
+    typeguard immutabledict lru-dict termcolor megatron-energon braceexpand filetype mfusepy \
+    multi-storage-client rapidyaml webdataset jmespath jsonschema jsonschema-specifications \
+    referencing rpds-py opentelemetry-api importlib-metadata xattr cffi pycparser wcmatch bracex \
+    lark prettytable wcwidth pyroute2 "tzdata<2026" deprecation diffusers nvidia-resiliency-ext defusedxml
+  python3 -m pip wheel -q --no-deps -w .whl-bridge fire   # an sdist only: pure Python
+  du -sh --apparent-size .whl-bridge
+}
+
 split_te() {  # FIRST_BYTES: .te/parts as one part of that size and four equal ones
   local core=(.te/transformer_engine_cu13-*.whl) first=$1
   local rest=$(( $(stat -c %s "$core") - first ))
@@ -84,6 +105,7 @@ while [ $# -gt 0 ]; do
   ext) ext; shift ;;
   te) te; shift ;;
   split-te) split_te "$2"; shift 2 ;;
+  prepare-bridge) prepare_bridge; shift ;;
   lane)  # everything up to the next `--` belongs to this lane
     shift; args=()
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done

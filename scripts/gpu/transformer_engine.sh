@@ -40,8 +40,10 @@ install)
   rm -rf /tmp/te-src && mkdir /tmp/te-src && tar xzf "$STORE/transformer_engine_torch-$TE.tar.gz" -C /tmp/te-src
   cd "/tmp/te-src/transformer_engine_torch-$TE"
   start=$(date +%s)
+  # The image's CUDA (/usr/local/cuda, nvcc 13.0), not the nvidia-* wheels' headers: on 2026-12-03
+  # the cu13 runtime wheel's cuda_runtime.h included crt/host_config.h, which no wheel there has.
   PATH=/tmp/te-build/bin:$PATH PYTHONPATH=/tmp/te-build:$SITE:${PYTHONPATH:-} \
-    NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=${NVTE_BUILD_USE_NVIDIA_WHEELS:-1} \
+    NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=${NVTE_BUILD_USE_NVIDIA_WHEELS:-0} \
     MAX_JOBS=$(nproc) python3 setup.py build_ext --inplace > /tmp/te-build.log 2>&1 \
     || { tail -n 40 /tmp/te-build.log; exit 1; }
   cp transformer_engine_torch*.so "$SITE/"
