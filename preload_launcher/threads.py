@@ -34,15 +34,17 @@ __all__ = ["THREAD_ENV", "pin_for_preload", "preload_limits", "pool_libraries", 
            "apply_fresh_counts", "describe"]
 
 # A fresh interpreter's counts: torch's, then each library's pool (argv: the libraries' paths).
-PROBE = """import ctypes, json, sys, torch
-for path in sys.argv[1:]:
+PROBE = """import ctypes, json, sys
+torch = __import__("torch") if sys.argv[1] == "torch" else None
+for path in sys.argv[2:]:
     ctypes.CDLL(path)
 try:
     import threadpoolctl
     pools = {i["filepath"]: i["num_threads"] for i in threadpoolctl.threadpool_info()}
 except ImportError:
     pools = {}
-print(json.dumps([torch.get_num_threads(), torch.get_num_interop_threads(), pools]))
+counts = [torch.get_num_threads(), torch.get_num_interop_threads()] if torch else [None, None]
+print(json.dumps([*counts, pools]))
 """
 
 _defaults: Optional[list[int]] = None  # (intra, inter) of a fresh process, once torch is here
@@ -110,11 +112,13 @@ def pool_libraries() -> dict[str, int]:
 
 class FreshCounts:
     """What a fresh interpreter's torch and thread-pool libraries report, by thread
-    environment: ``[intra, inter, {library path: pool size}]``."""
+    environment: ``[intra, inter, {library path: pool size}]`` (``None, None`` where the zygote
+    has no torch, whose ``pin_for_preload`` gives ``defaults``)."""
 
-    def __init__(self, cache_path: str, defaults: list[int]) -> None:
+    def __init__(self, cache_path: str, defaults: Optional[list[int]]) -> None:
         self.path = cache_path
-        self.defaults = list(defaults)
+        self.torch = defaults is not None
+        self.defaults = list(defaults) if defaults else [None, None]
         self.known = dict(read_json(cache_path) or {})
         self.probes: dict[str, subprocess.Popen] = {}
         self.modules_seen = -1
@@ -133,21 +137,25 @@ class FreshCounts:
 
     def _complete(self, key: str) -> bool:
         counts = self.known.get(key)
-        return counts is not None and len(counts) == 3 and set(self.libraries) <= set(counts[2])
+        return (counts is not None and len(counts) == 3 and (counts[0] is not None or not self.torch)
+                and set(self.libraries) <= set(counts[2]))
 
     def ask_ahead(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> None:
         """Start asking a fresh interpreter now (in the background), unless known already."""
         key = key_of(env, cpus)
-        if not self._complete(key) and key not in self.probes:
+        if (self.torch or self.libraries) and not self._complete(key) and key not in self.probes:
             probe_env = {**{k: v for k, v in os.environ.items() if k not in THREAD_ENV},
                          **{k: env[k] for k in THREAD_ENV if k in env}}
             pin = f"import os; os.sched_setaffinity(0, {sorted(cpus)})\n" if cpus else ""
             self.probes[key] = subprocess.Popen(
-                [sys.executable, "-c", pin + PROBE, *self.libraries], env=probe_env,
+                [sys.executable, "-c", pin + PROBE, "torch" if self.torch else "-",
+                 *self.libraries], env=probe_env,
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     def for_env(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> list:
         key = key_of(env, cpus)
+        if not self.torch and not self.libraries:
+            return [None, None, {}]  # nothing here sizes a pool from the environment
         if not self._complete(key):
             self.ask_ahead(env, cpus)
             out, _ = self.probes.pop(key).communicate(timeout=120)
@@ -169,15 +177,17 @@ def apply_fresh_counts(table: dict[str, list], cpus: Optional[list[int]] = None)
     """In a forked step or rank: the thread pools as a fresh interpreter would have them
     (``cpus``: the caller's CPU set, where it is not the zygote's). Torch's intra-op count
     goes last: it sizes torch's own OpenMP pool as torch decides."""
-    torch = sys.modules.get("torch")
     counts = table.get(key_of(os.environ, cpus))
-    if torch is None or counts is None:
+    if counts is None:
         return
     intra, inter, pools = counts
     for path, size in pools.items():
         lib = _pools.get(path)
         if lib is not None and lib.get_num_threads() != size:
             lib.set_num_threads(size)
+    torch = sys.modules.get("torch")
+    if torch is None or intra is None:
+        return
     torch.set_num_threads(intra)
     if torch.get_num_interop_threads() != inter:
         torch.set_num_interop_threads(inter)

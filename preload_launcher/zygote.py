@@ -170,8 +170,8 @@ class Zygote(ZygoteRequests):
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(sig_r, selectors.EVENT_READ, "signal")
         self.verify_hints()
-        if self.thread_counts({"env": {}}):  # torch is here: ranks' count asked ahead
-            self.fresh_counts.ask_ahead({"OMP_NUM_THREADS": "1"})
+        self.thread_counts({"env": {}})
+        self.fresh_counts.ask_ahead({"OMP_NUM_THREADS": "1"})  # ranks' counts, asked ahead
         self.fill_warm_pool()
         while not self.stopping:
             events = self.selector.select(0 if self.learn_due and not self.steps

@@ -207,12 +207,10 @@ class ZygoteRequests:
             say("stale: %s; restarting once idle", ", ".join(changes[:5]))
 
     def thread_counts(self, spec: dict) -> dict:
-        """Torch's thread counts for this step as a fresh interpreter would have them ({} while
-        torch is not loaded here: the step imports it fresh)."""
-        if self.fresh_counts is None:
-            defaults = threads.pin_for_preload()
-            if not defaults:
-                return {}
+        """The thread counts (torch's, and each OpenMP/BLAS pool's) for this step as a fresh
+        interpreter would have them."""
+        defaults = threads.pin_for_preload()  # None without torch
+        if self.fresh_counts is None or self.fresh_counts.torch != (defaults is not None):
             self.fresh_counts = threads.FreshCounts(
                 os.path.join(self.config.cache_dir, f"threads-{self.preloader.fingerprint}.json"),
                 defaults)
