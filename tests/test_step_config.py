@@ -203,3 +203,14 @@ def test_a_collective_mismatch_is_detected_in_forked_ranks_as_under_torchrun():
     assert lines[0] == lines[1] == ["rank 0: level DebugLevel.DETAIL: mismatch detected",
                                     "rank 1: level DebugLevel.DETAIL: mismatch detected"]
     assert (got.returncode, got.via) == (ref.returncode, "zygote")
+
+
+def test_a_family_of_native_variables_is_compared_as_a_whole():
+    """``OMP_*`` in NATIVE_ENV: any variable of the family that differs (one the zygote lacked
+    included) sets a step apart; the thread counts in it do not (each step applies its own)."""
+    from preload_launcher.interpreter import env_value, import_env_mismatch
+    zygote = {"OMP_*": env_value({"OMP_PROC_BIND": "true", "OMP_NUM_THREADS": "4"}, "OMP_*")}
+    assert import_env_mismatch(zygote, {"OMP_PROC_BIND": "true", "OMP_NUM_THREADS": "1"}) == []
+    assert import_env_mismatch(zygote, {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"}) == ["OMP_*"]
+    assert import_env_mismatch(zygote, {}) == ["OMP_*"]
+    assert import_env_mismatch({"OMP_*": None}, {"OMP_NUM_THREADS": "2"}) == []
