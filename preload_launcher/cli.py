@@ -13,7 +13,7 @@ import sys
 from typing import Optional
 
 from . import __version__, settings
-from .rundir import NoPrivateDirectory
+from .result import LauncherError
 
 __all__ = ["main", "build_parser"]
 
@@ -136,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except settings.SettingsError as err:
         print(f"preload-launcher {args.verb}: {err}", file=sys.stderr)
         return 2
-    except NoPrivateDirectory as err:  # another user holds or opened our directories
+    except LauncherError as err:  # no private directory, a daemon that could not start
         print(f"preload-launcher {args.verb}: {err}", file=sys.stderr)
         return 1
 

@@ -31,7 +31,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     finally:
         zygote.close()
     print(json.dumps(status, indent=1) if args.json else format_doctor(status))
-    verdict, code = doctor_verdict(status["preload"])
+    verdict, code = doctor_verdict(status["preload"], settings.preload_source(args.preload))
     print(verdict)
     return code
 

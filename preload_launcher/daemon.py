@@ -59,10 +59,12 @@ def start_daemon(modules: Sequence[str], env: Mapping[str, str],
             if time.monotonic() > deadline:
                 raise LauncherError(f"a daemon holds {lock} but does not answer at {sock}")
             time.sleep(0.1)
+    zygote: Optional[ZygoteProcess] = None
     try:
         zygote = ZygoteProcess(modules, env, socket_path=sock, daemon=True,
                                idle_timeout_s=idle_timeout_s, lock_fd=lock_fd,
-                               implicit=implicit).launch()
+                               implicit=implicit)
+        zygote.launch()
         # Written before it serves: it takes this file with it when it stops, even at once.
         meta = {"pid": zygote.process.pid, "socket": sock, "modules": list(modules),
                 "python": sys.executable, "started_at": time.time(), "log": zygote.log_path}
@@ -72,6 +74,10 @@ def start_daemon(modules: Sequence[str], env: Mapping[str, str],
         except BaseException:
             unlink_all(meta_path)  # it never served (the lock is still ours)
             raise
+    except BaseException:
+        if zygote is None or zygote.process is None or zygote.process.poll() is not None:
+            unlink_all(lock)  # no daemon holds it: nothing stale stays behind
+        raise
     finally:
         os.close(lock_fd)  # the daemon holds it now (or, if it failed, no one)
     zygote.process.returncode = 0  # detached: never reaped (or warned about) by this process

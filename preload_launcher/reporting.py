@@ -23,12 +23,11 @@ def entry_result(entry: dict) -> str:
 def preload_problems(report: dict, named_in: str = "") -> list[str]:
     """Lines about the entries that were not preloaded. ``named_in``: where the preload list
     came from ("" for the default list). A module of the default list that is not installed is
-    one quiet line; one the user named is a warning, with the error and where it was named."""
+    left out (the default names the whole stack, and an install may hold part of it); one the
+    user named is a warning, with the error and where it was named."""
     missing = [e for e in report.get("entries", []) if not_installed(e)]
     failed = [e for e in report.get("entries", []) if not e["ok"] and e not in missing]
     lines = []
-    if missing and not named_in:
-        lines.append(f"not installed (skipped): {', '.join(e['module'] for e in missing)}")
     for e in missing if named_in else []:
         lines.append(f"not importable: {e['module']} ({e['error'][:100]}), named in {named_in}")
     for e in failed:
@@ -93,12 +92,14 @@ def format_learned(learned: dict) -> str:
     return text
 
 
-def doctor_verdict(report: dict) -> tuple[str, int]:
-    """The last line of doctor and its exit status: a module that is not installed is a
-    warning; a quarantine or another import failure is a failure."""
-    missing = [e["module"] for e in report["entries"] if not_installed(e)]
+def doctor_verdict(report: dict, named_in: str = "") -> tuple[str, int]:
+    """The last line of doctor and its exit status: a module the user named (``named_in``, as
+    for ``preload_problems``) that is not installed is a warning (one of the default list has
+    its row only); a quarantine or another import failure is a failure."""
+    absent = [e["module"] for e in report["entries"] if not_installed(e)]
+    missing = absent if named_in else []
     failed = [f"{e['module']} ({e['error'][:80]})" for e in report["entries"]
-              if not e["ok"] and e["module"] not in missing]
+              if not e["ok"] and e["module"] not in absent]
     quarantined = [f"{name} ({verdict['reason']})" for name, verdict in report["quarantined"].items()]
     problems = quarantined and [f"quarantined: {'; '.join(quarantined)}"] or []
     problems += failed and [f"failed to import: {'; '.join(failed)}"] or []

@@ -7,8 +7,9 @@ path is resolved once, then each component must be owned by root or us and writa
 else unless sticky (as ``/tmp`` is: there only an entry's owner may rename it), and the directory
 itself is checked without following links: ours, a real directory, mode 0700. Such a path cannot
 be re-pointed afterwards. When another user holds the predictable name (or made it a link, or
-left it open), a directory under our cache directory is used instead, checked the same way; when
-neither is safe, ``NoPrivateDirectory`` says why and the caller runs the step as a plain process.
+left it open), or when it is too long to hold a Unix socket's path, a directory under our cache
+directory is used instead, checked the same way; when neither is usable, ``NoPrivateDirectory``
+says why and the caller runs the step as a plain process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import sys
 
 from .result import LauncherError
 
-__all__ = ["NoPrivateDirectory", "private_runtime_dir", "unsafe_chain", "owned_privately"]
+__all__ = ["NoPrivateDirectory", "private_runtime_dir", "unsafe_chain", "owned_privately",
+           "MAX_SOCKET_PATH"]
+
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+# The longest socket name the launcher gives (``z-<pid>-<n>.sock``; pids stay below 2**22,
+# ``d-<key>.sock`` is shorter): a directory is usable only when that still fits.
+LONGEST_SOCKET_NAME = len("z-4194304-9999.sock")
 
 _warned: set = set()  # fallbacks already reported by this process
 
@@ -33,22 +40,35 @@ def private_runtime_dir(base: str, cache_dir: str) -> str:
     """The verified real path of this user's runtime directory (see the module's docstring)."""
     name = f"preload_launcher-{os.getuid()}"
     preferred = os.path.join(base, name)
-    problem = _private_dir(base, name)
+    too_long = _too_long(base, name)
+    problem = too_long or _private_dir(base, name)
     if not problem:
         return os.path.join(os.path.realpath(base), name)
-    fallback_base = cache_dir
+    hint = ("set XDG_RUNTIME_DIR to a shorter directory" if too_long
+            else "set XDG_RUNTIME_DIR to a directory only you can write")
     # One per machine (a $HOME shared by machines), named short: sockets take 107 bytes at most.
     fallback_name = "run-" + hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:8]
-    fallback_problem = _private_dir(fallback_base, fallback_name)
+    fallback_problem = (_too_long(cache_dir, fallback_name)
+                        or _private_dir(cache_dir, fallback_name))
     if fallback_problem:
         raise NoPrivateDirectory(f"no private runtime directory: {problem}; {fallback_problem} "
-                                 "(set XDG_RUNTIME_DIR to a directory only you can write)")
-    fallback = os.path.join(os.path.realpath(fallback_base), fallback_name)
+                                 f"({hint})")
+    fallback = os.path.join(os.path.realpath(cache_dir), fallback_name)
     if preferred not in _warned:
         _warned.add(preferred)
-        print(f"preload_launcher: {problem}; using {fallback} instead (set XDG_RUNTIME_DIR to a "
-              "directory only you can write)", file=sys.stderr)
+        print(f"preload_launcher: {problem}; using {fallback} instead ({hint})", file=sys.stderr)
     return fallback
+
+
+def _too_long(base: str, name: str) -> str:
+    """"" when the launcher's socket paths fit under ``base/name``, else why not: the kernel
+    binds no longer path, so no step could be served from there."""
+    longest = len(os.fsencode(os.path.join(os.path.realpath(base), name))) + 1 \
+        + LONGEST_SOCKET_NAME
+    if longest <= MAX_SOCKET_PATH:
+        return ""
+    return (f"{os.path.join(base, name)} is too long to hold Unix sockets (their paths would "
+            f"take up to {longest} bytes, {MAX_SOCKET_PATH} at most)")
 
 
 def _private_dir(base: str, name: str) -> str:

@@ -23,12 +23,12 @@ from .files import remove_all, unlink_all, zygote_files
 from .gpus import pool_ids as gpu_pool_ids
 from .interpreter import ZYGOTE_CWD, import_env_mismatch
 from .result import LauncherError
+from .rundir import MAX_SOCKET_PATH
 from .settings import Settings, ZygoteConfig
 
 __all__ = ["ZygoteProcess"]
 
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _zygote_ids = itertools.count()
 COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 

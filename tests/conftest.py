@@ -3,25 +3,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
 from preload_launcher import Launcher
 
-# Verdicts, learned profiles, sockets and logs of this session stay out of the user's
-# directories, and go with the session (pytest_unconfigure).
-TMP = tempfile.gettempdir()
-TMP_BEFORE = set(os.listdir(TMP))  # the suite must leave nothing else there
-SESSION_DIR = tempfile.mkdtemp(prefix="pl-tests-")
-os.environ.setdefault("PRELOAD_LAUNCHER_CACHE_DIR", os.path.join(SESSION_DIR, "cache"))
-os.environ["XDG_RUNTIME_DIR"] = os.path.join(SESSION_DIR, "run")
-os.makedirs(os.environ["XDG_RUNTIME_DIR"], exist_ok=True)
-# The reference programs' temporary files (the real torchrun leaves a torchelastic_* folder per
-# launch) go with the session too; the launcher's own leftovers are tested where they arise.
-os.environ["TMPDIR"] = os.path.join(SESSION_DIR, "tmp")
-os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+import suite_dirs  # the suite's own directories (loaded earlier still, by ``-p suite_dirs``)
 
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
 PY = sys.executable
@@ -33,19 +21,30 @@ TORCH_FIXTURES = {"torch_launcher", "warm_torch_launcher"}
 
 @pytest.hookimpl(trylast=True)  # after the plugin has ended the session's zygote (it may still
 def pytest_unconfigure(config):  # be preloading, and would write its cache here afterwards)
-    shutil.rmtree(SESSION_DIR, ignore_errors=True)
+    suite_dirs.remove()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    """Nothing of the suite's is left in the temporary directory (pytest's own tmp_path
-    folders aside, which pytest keeps and prunes itself)."""
-    left = sorted(name for name in set(os.listdir(TMP)) - TMP_BEFORE  # pytest-of-*: pytest's;
-                  if not name.startswith(("pytest-of-", "pl-tests-")))  # pl-tests-*: sessions'
-    if left:
-        session.config.get_terminal_writer().line(
-            f"left in {TMP} by the suite: {', '.join(left)}", red=True)
+    """Nothing is left in the temporary directory of the programs the suite started (only the
+    suite's own: other jobs' files in /tmp are none of its business)."""
+    if suite_dirs.OWNER and suite_dirs.leftovers():
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    left = suite_dirs.leftovers() if suite_dirs.OWNER else []
+    if left:
+        terminalreporter.write_sep("=", "left behind by the suite's programs", red=True)
+        terminalreporter.write_line(f"in {suite_dirs.TMP}: {', '.join(left)}", red=True)
+
+
+@pytest.fixture
+def runtime_base():
+    """A new short directory for a test's own ``XDG_RUNTIME_DIR`` (``suite_dirs.short_dir``)."""
+    path = suite_dirs.short_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

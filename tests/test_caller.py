@@ -16,6 +16,7 @@ import pytest
 
 from preload_launcher import Launcher, LauncherError
 
+import suite_dirs
 from conftest import PY, pid_alive, wait_gone
 
 CLI = [PY, "-m", "preload_launcher.cli"]
@@ -28,9 +29,9 @@ raise SystemExit("failed")
 
 
 @pytest.fixture(scope="module")
-def daemon_env(tmp_path_factory):
+def daemon_env():
     """A daemon preloading json, as `preload-launcher run` finds it."""
-    path = tmp_path_factory.mktemp("caller-run")
+    path = suite_dirs.short_dir()  # a socket's path takes 107 bytes at most
     env = dict(os.environ, XDG_RUNTIME_DIR=str(path), PRELOAD_LAUNCHER_MODULES="json")
     subprocess.run([*CLI, "serve", "--detach"], env=env, check=True, capture_output=True)
     yield env
@@ -214,9 +215,8 @@ print("open", [fd for fd in (0, 1, 2) if os.path.exists(f"/proc/self/fd/{fd}")])
 
 
 @pytest.mark.parametrize("closed", [[0], [1], [2], [0, 1, 2]])
-def test_a_caller_with_closed_stdio_runs_steps_as_subprocess_does(tmp_path, closed):
-    runtime = tmp_path / "run"
-    runtime.mkdir()
+def test_a_caller_with_closed_stdio_runs_steps_as_subprocess_does(tmp_path, runtime_base, closed):
+    runtime = runtime_base
     report = tmp_path / "report.json"
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))
     subprocess.run([PY, "-c", CLOSED_CALLER, json.dumps(closed), str(report), CLOSED_PROBE],

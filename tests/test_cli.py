@@ -21,10 +21,8 @@ def cli(*args, env=None, timeout=120):
 
 
 @pytest.fixture
-def runtime(tmp_path):
-    path = tmp_path / "run"
-    path.mkdir()
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(path), PRELOAD_LAUNCHER_MODULES="json")
+def runtime(runtime_base):
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_base), PRELOAD_LAUNCHER_MODULES="json")
     yield env
     cli("stop", "--all", env=env)
 
@@ -86,6 +84,38 @@ def test_a_one_off_run_is_a_plain_process_that_starts_a_daemon_for_the_next(runt
     second = cli("run", "-v", "--", PY, str(step), "two", env=runtime)
     assert (second.returncode, second.stdout) == (3, "hello from two\n")
     assert "ran through the daemon (pid" in second.stderr and "via zygote" in second.stderr
+
+
+def test_a_runtime_dir_too_long_for_sockets_falls_back_or_says_which_variable(runtime,
+                                                                              runtime_base):
+    """Its sockets could not be bound under a long XDG_RUNTIME_DIR: the daemon lives in the
+    cache's short fallback instead (said once per command); when that is long too, every verb
+    says so in one line naming the variable to set, and `run` runs the command plainly."""
+    long_base = runtime_base / ("x" * 90)
+    long_base.mkdir(mode=0o700)
+    env = dict(runtime, XDG_RUNTIME_DIR=str(long_base),
+               PRELOAD_LAUNCHER_CACHE_DIR=str(runtime_base / "cache"))
+    try:
+        serve = cli("serve", "--detach", env=env)
+        assert serve.returncode == 0, serve.stderr
+        assert "is too long to hold Unix sockets" in serve.stderr
+        assert "set XDG_RUNTIME_DIR to a shorter directory" in serve.stderr
+        served = cli("run", "-v", "--", PY, "-c", "print('served')", env=env)
+        assert served.stdout == "served\n" and "ran through the daemon (pid" in served.stderr
+    finally:
+        assert cli("stop", env=env).returncode == 0
+    env["PRELOAD_LAUNCHER_CACHE_DIR"] = str(long_base / "cache")
+    for verb in ("serve", "status", "stop"):
+        said = cli(verb, "--detach", env=env) if verb == "serve" else cli(verb, env=env)
+        assert said.returncode == 1 and said.stderr.startswith(
+            f"preload-launcher {verb}: no private runtime directory"), said.stderr
+        assert said.stderr.rstrip().endswith("(set XDG_RUNTIME_DIR to a shorter directory)")
+        assert len(said.stderr.splitlines()) == 1, said.stderr
+    plain = cli("run", "-v", "--", PY, "-c", "print('plain')", env=env)
+    assert (plain.returncode, plain.stdout) == (0, "plain\n")
+    assert "running the command as a plain process" in plain.stderr
+    assert "started a daemon" not in plain.stderr
+    assert list(long_base.iterdir()) == []  # nothing half-made (no stale lock, no socket)
 
 
 def test_autoserve_off_runs_a_one_off_zygote(runtime, tmp_path):

@@ -1,13 +1,10 @@
 """The warm daemon: serve / run / status / stop, staleness, env mismatch, security, faults."""
 import json
 import os
-import pathlib
-import shutil
 import signal
 import socket
 import struct
 import subprocess
-import tempfile
 import time
 
 import pytest
@@ -16,10 +13,8 @@ from conftest import PY, wait_gone
 
 
 @pytest.fixture
-def daemon_env(tmp_path):
-    # Unix socket paths must stay under 108 bytes: pytest's tmp_path can be longer.
-    runtime = pathlib.Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))
-    runtime.chmod(0o700)
+def daemon_env(tmp_path, runtime_base):
+    runtime = runtime_base  # Unix socket paths take 107 bytes at most: tmp_path can be longer
     site = tmp_path / "site"
     site.mkdir()
     (site / "greeting.py").write_text("WORD = 'hello'\n")
@@ -29,7 +24,6 @@ def daemon_env(tmp_path):
                PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
     yield env, site, runtime
     subprocess.run([PY, "-m", "preload_launcher.cli", "stop", "--all"], env=env, capture_output=True)
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 def cli(env, *args, timeout=120):

@@ -3,18 +3,15 @@ starting, settings errors, modules that cannot be imported, the daemons `run` st
 and one identity for one interpreter, whichever name started it."""
 import json
 import os
-import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
 from preload_launcher import ZygoteProcess, cuda
 from preload_launcher.cli_run import worth_a_daemon
-from preload_launcher.reporting import entry_result, preload_problems
+from preload_launcher.reporting import doctor_verdict, entry_result, preload_problems
 
 from conftest import PY, wait_gone
 
@@ -23,11 +20,10 @@ BUSY = "import time\nwhile time.process_time() < 1.3:\n    pass\n"  # worth a da
 
 
 @pytest.fixture
-def env(tmp_path):
+def env(tmp_path, runtime_base):
     """A private runtime directory (short: Unix socket paths) and cache; the launcher from this
     tree, under any interpreter name."""
-    runtime = pathlib.Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))
-    runtime.chmod(0o700)
+    runtime = runtime_base
     site = tmp_path / "site"
     site.mkdir()
     environ = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), PRELOAD_LAUNCHER_MODULES="json",
@@ -35,7 +31,6 @@ def env(tmp_path):
                    PYTHONPATH=os.pathsep.join([str(site), REPO]))
     yield environ
     cli(environ, "stop", "--all")
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 def cli(environ, *args, python=PY, timeout=120, **kwargs):
@@ -144,7 +139,7 @@ def test_run_v_reports_a_named_module_that_cannot_be_imported(env):
             "named 'not_a_module'), named in PRELOAD_LAUNCHER_MODULES") in out.stderr, out.stderr
 
 
-def test_a_default_module_that_is_not_installed_is_one_quiet_line_everywhere():
+def test_a_default_module_that_is_not_installed_is_left_out_of_every_summary():
     missing = {"module": "megatron.bridge", "ok": False, "missing": "megatron.bridge",
                "error": "ModuleNotFoundError: No module named 'megatron.bridge'"}
     absent = dict(missing, module="not_a_module", missing="not_a_module",
@@ -152,12 +147,16 @@ def test_a_default_module_that_is_not_installed_is_one_quiet_line_everywhere():
     broken = {"module": "broken", "ok": False, "missing": "",
               "error": "RuntimeError: boom"}
     report = {"entries": [{"module": "torch", "ok": True}, missing, broken]}
-    assert preload_problems(report) == ["not installed (skipped): megatron.bridge",
-                                        "failed to import: broken (RuntimeError: boom)"]
+    assert preload_problems(report) == ["failed to import: broken (RuntimeError: boom)"]
     assert preload_problems({"entries": [absent]}, "--preload") == [
         "not importable: not_a_module (ModuleNotFoundError: No module named 'not_a_module'), "
         "named in --preload"]
-    assert entry_result(missing) == "not installed (skipped)"  # doctor's row, as its summary
+    assert entry_result(missing) == "not installed (skipped)"  # doctor's row says it once
+    loaded = {"entries": [{"module": "torch", "ok": True}, missing], "quarantined": {},
+              "loaded": ["torch"], "requested": ["torch", "megatron.bridge"]}
+    assert doctor_verdict(loaded) == ("doctor: OK: 1 of 2 preloaded", 0)
+    assert doctor_verdict(loaded, "--preload") == (
+        "doctor: OK: 1 of 2 preloaded; not installed (skipped): megatron.bridge", 0)
     assert entry_result(broken) == "FAILED: RuntimeError: boom"
 
 

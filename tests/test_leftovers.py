@@ -33,9 +33,8 @@ def eventually_empty(runtime: str, timeout: float = 10.0) -> list[str]:
 
 
 @pytest.mark.parametrize("how", ["normal", "sys.exit", "SIGTERM"])
-def test_a_program_that_used_run_leaves_no_files(tmp_path, how):
-    runtime = str(tmp_path / "run")
-    os.mkdir(runtime)
+def test_a_program_that_used_run_leaves_no_files(runtime_base, how):
+    runtime = str(runtime_base)
     env = dict(os.environ, XDG_RUNTIME_DIR=runtime, PRELOAD_LAUNCHER_MODULES="json")
     program = subprocess.Popen([PY, "-c", PROGRAM, how], env=env, stdout=subprocess.PIPE, text=True)
     assert program.stdout.readline() == "step ran\n"
@@ -48,9 +47,8 @@ def test_a_program_that_used_run_leaves_no_files(tmp_path, how):
     assert eventually_empty(runtime) == []
 
 
-def test_stop_takes_the_daemons_files_with_it(tmp_path):
-    runtime = str(tmp_path / "run")
-    os.mkdir(runtime)
+def test_stop_takes_the_daemons_files_with_it(runtime_base):
+    runtime = str(runtime_base)
     env = dict(os.environ, XDG_RUNTIME_DIR=runtime)
     cli = [PY, "-m", "preload_launcher.cli"]
     subprocess.run(cli + ["serve", "--detach", "--preload", "json"], env=env, check=True,

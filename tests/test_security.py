@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 
+import suite_dirs
 from conftest import PY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -229,12 +230,12 @@ def test_a_stand_in_never_talks_to_another_users_server(stranger, tmp_path):
     assert not os.path.exists(record)
 
 
-def test_a_symlinked_runtime_dir_is_never_used(tmp_path, victim_env):
+def test_a_symlinked_runtime_dir_is_never_used(runtime_base, victim_env):
     """The same check without a second user: the predictable name is a link to a private
     directory of ours; it is not followed."""
-    base = tmp_path / "base"
+    base = runtime_base / "base"
     base.mkdir()
-    target = tmp_path / "elsewhere"
+    target = runtime_base / "elsewhere"
     target.mkdir(mode=0o700)
     (base / f"preload_launcher-{os.getuid()}").symlink_to(target)
     code = ("import os, preload_launcher, sys; r = preload_launcher.run([sys.executable, '-c', "
@@ -284,10 +285,10 @@ def test_a_taken_runtime_dir_falls_back_to_a_private_one(stranger, victim_env, t
     assert os.listdir(predictable(victim_env)) == []  # nothing of ours went there
 
 
-def test_an_open_runtime_dir_of_ours_is_not_used_either(tmp_path, victim_env):
+def test_an_open_runtime_dir_of_ours_is_not_used_either(tmp_path, runtime_base, victim_env):
     """Without a second user: the predictable directory is open to all (as another user's
     `mkdir -m777` leaves it); every way in works, and nothing goes there."""
-    base = tmp_path / "base"
+    base = runtime_base / "base"
     base.mkdir()
     open_dir = base / f"preload_launcher-{os.getuid()}"
     open_dir.mkdir()
@@ -344,7 +345,7 @@ def wait_for(condition, timeout: float = 60.0):
 
 @pytest.fixture
 def runtime_env():
-    base = tempfile.mkdtemp(prefix="pl-", dir="/tmp")
+    base = str(suite_dirs.short_dir())
     env = dict(os.environ, XDG_RUNTIME_DIR=base, PRELOAD_LAUNCHER_MODULES="json",
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     yield env

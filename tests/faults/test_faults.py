@@ -157,10 +157,9 @@ def test_fifty_concurrent_steps_from_threads(light):
     assert zygote_fds(zygote) == fds_before
 
 
-def test_concurrent_steps_from_several_processes_share_a_daemon(tmp_path):
-    import tempfile, pathlib, shutil, json
-    runtime = pathlib.Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))
-    runtime.chmod(0o700)
+def test_concurrent_steps_from_several_processes_share_a_daemon(runtime_base):
+    import json
+    runtime = runtime_base
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), PRELOAD_LAUNCHER_MODULES="json")
     cli = [PY, "-m", "preload_launcher.cli"]
     try:
@@ -179,7 +178,6 @@ def test_concurrent_steps_from_several_processes_share_a_daemon(tmp_path):
         assert after["fds"] == before["fds"]
     finally:
         subprocess.run(cli + ["stop", "--all"], env=env, capture_output=True)
-        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_thousand_sequential_steps_keep_zygote_memory_and_fds_flat():
