@@ -15,8 +15,11 @@ SUITE = os.path.join(HERE, "example_suite")
 def run_suite(lane: str) -> tuple[float, str]:
     # The stack the install brings and the suite's steps import (megatron.bridge needs Python
     # >= 3.12 and Transformer Engine: naming it here would report it as not importable).
+    # Its steps start `python` and torchrun by name: this interpreter's come first on PATH, as
+    # in an activated virtualenv (`PYTHON=venv/bin/python bash scripts/demo.sh` needs no more).
     env = dict(os.environ, PRELOAD_LAUNCHER=lane,
-               PRELOAD_LAUNCHER_MODULES="torch,megatron.core,modelopt.torch")
+               PRELOAD_LAUNCHER_MODULES="torch,megatron.core,modelopt.torch",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "pytest", SUITE, "-q", "-p", "no:cacheprovider",
                           "--durations=0", "--durations-min=0", "-o", "console_output_style=classic"],
@@ -50,10 +53,10 @@ def main() -> None:
     print(f"\n{'whole pytest session (wall)':42} {off_wall:10.1f}s {on_wall:8.1f}s "
           f"{off_wall / on_wall:6.1f}x")
     summary = on_out[on_out.find("preload_launcher -"):].splitlines()
-    print("\nlauncher summary from the pytest session:")
     print("\nA test slower through the launcher is the first one to need the zygote: it waits for "
           "the preload\nthe session started before its conftests loaded (paid once, counted in "
           "the wall time).")
+    print("\nlauncher summary from the pytest session:")
     for line in summary[1:8]:
         if line.startswith("="):
             break

@@ -6,11 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 work=$(mktemp -d -t pl-package-XXXXXX)
-trap 'rm -rf "$work"' EXIT
+made=("$work")  # and what the build writes into the source tree, where it was not there before
+for own in build preload_launcher.egg-info; do [ -e "$own" ] || made+=("$PWD/$own"); done
+trap 'rm -rf "${made[@]}"' EXIT
 quiet() { "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 
 quiet $py -m pip install -q --disable-pip-version-check build
-$py -m build -q --no-isolation --sdist --wheel --outdir "$work/dist" . >"$work/build.log" 2>&1 \
+# The sdist, then the wheel built from it (what a user's pip does with the sdist).
+$py -m build -q --no-isolation --outdir "$work/dist" . >"$work/build.log" 2>&1 \
   || { cat "$work/build.log"; exit 1; }
 sdist=$(ls "$work"/dist/*.tar.gz) wheel=$(ls "$work"/dist/*.whl)
 members=$(tar -tzf "$sdist")
