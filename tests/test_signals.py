@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+import suite_dirs
 from conftest import PY, program
 
 CLI = [PY, "-m", "preload_launcher.cli", "run", "--"]
@@ -19,10 +20,9 @@ RTMIN = signal.SIGRTMIN
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+def daemon():
     """An environment whose `run` goes through a warm daemon preloading json."""
-    path = tmp_path_factory.mktemp("signals") / "run"
-    path.mkdir(mode=0o700)
+    path = suite_dirs.short_dir()  # a socket's path takes 107 bytes at most
     env = dict(os.environ, XDG_RUNTIME_DIR=str(path), PRELOAD_LAUNCHER_MODULES="json")
     subprocess.run([PY, "-m", "preload_launcher.cli", "serve", "--detach"], env=env, check=True,
                    capture_output=True, timeout=120)
@@ -32,10 +32,9 @@ def daemon(tmp_path_factory):
 
 
 @pytest.fixture
-def no_daemon(tmp_path):
+def no_daemon(runtime_base):
     """An environment with no daemon: `run` runs the command in its own place."""
-    path = tmp_path / "run"
-    path.mkdir(mode=0o700)
+    path = runtime_base
     yield dict(os.environ, XDG_RUNTIME_DIR=str(path), PRELOAD_LAUNCHER_MODULES="json")
     subprocess.run([PY, "-m", "preload_launcher.cli", "stop", "--all"],
                    env=dict(os.environ, XDG_RUNTIME_DIR=str(path)), capture_output=True)

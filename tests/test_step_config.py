@@ -110,8 +110,8 @@ def test_torchrun_ranks_get_a_fresh_interpreters_configuration(base_env):
         launcher.close()
 
 
-def test_the_cli_gives_each_step_a_fresh_interpreters_configuration(base_env, tmp_path):
-    runtime = dict(base_env, XDG_RUNTIME_DIR=str(tmp_path))
+def test_the_cli_gives_each_step_a_fresh_interpreters_configuration(base_env, runtime_base):
+    runtime = dict(base_env, XDG_RUNTIME_DIR=str(runtime_base))
     cli = [PY, "-m", "preload_launcher.cli"]
     started = subprocess.run([*cli, "serve", "--detach"], env=runtime, capture_output=True,
                              text=True, timeout=300)
