@@ -390,6 +390,6 @@ def test_a_daemon_stopped_mid_step_ends_run_with_one_line_and_the_steps_status(r
     assert subprocess.run(CLI + ["stop"], env=env, capture_output=True).returncode == 0
     out, err = step.communicate(timeout=60)
     plain = subprocess.run([PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
-    assert step.returncode == 128 - plain.returncode  # a shell's status for a SIGKILLed step
+    assert step.returncode == plain.returncode  # the SIGKILLed step's death is the CLI's own
     assert len(err.splitlines()) == 1 and err.startswith("preload-launcher run: "), err
     assert "stopped" in err and out == ""
