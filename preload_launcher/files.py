@@ -100,11 +100,11 @@ def remove_all(*paths: str) -> None:
 
 def zygote_files(socket_path: str) -> dict[str, str]:
     """The files of the zygote listening at ``socket_path`` (``….sock``): its socket, its log,
-    the directory of its stand-ins (``standin``) and, for a daemon, the metadata its starter
-    writes."""
+    the directory of its stand-ins (``standin``), the mark that it serves (``ready``: absent
+    while it preloads or restarts) and, for a daemon, the metadata its starter writes."""
     base = socket_path[:-len(".sock")]
     return {"socket": socket_path, "log": base + ".log", "standins": base + ".bin",
-            "meta": base + ".json", "lock": base + ".lock"}
+            "ready": base + ".ready", "meta": base + ".json", "lock": base + ".lock"}
 
 
 def lock_file(path: str, wait_s: float = 0.0) -> Optional[int]:

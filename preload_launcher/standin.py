@@ -68,7 +68,9 @@ def install(socket_path: str) -> str:
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)
     with open(fd, "w", encoding="utf-8") as f:
-        f.write(f"{shebang}SOCKET = {socket_path!r}\nPROTOCOL_SOURCE = {protocol_source!r}\n"
+        f.write(f"{shebang}SOCKET = {socket_path!r}\n"
+                f"READY = {zygote_files(socket_path)['ready']!r}\n"
+                f"PROTOCOL_SOURCE = {protocol_source!r}\n"
                 f"PROCESS_ATTRS_SOURCE = {attrs_source!r}\n"
                 f"MIRRORING_SOURCE = {mirroring_source!r}\n" + source)
     os.replace(tmp, path)  # a step never runs a half-written stand-in
@@ -190,8 +192,11 @@ def embedded_module(name: str, source: str) -> types.ModuleType:
     return module
 
 
-def submit(socket_path: str, invocation: Invocation, fds: list) -> socket.socket:
-    """The request sent to the zygote, or the real program where none answers."""
+def submit(socket_path: str, ready: str, invocation: Invocation, fds: list) -> socket.socket:
+    """The request sent to the zygote, or the real program where none serves now: one still
+    preloading (or restarting) would keep the program waiting longer than a fresh start."""
+    if not os.path.exists(ready):
+        invocation.become_real()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(socket_path)
@@ -204,15 +209,15 @@ def submit(socket_path: str, invocation: Invocation, fds: list) -> socket.socket
     return sock
 
 
-def main(socket_path: str) -> None:
+def main(socket_path: str, ready: str) -> None:
     invocation = Invocation(sys.argv, dict(os.environ))
     stdio = open_stdio()  # a closed stdin stays closed in the program
     fds = stdio + inherited_fds()
-    sock = submit(socket_path, invocation, fds)
+    sock = submit(socket_path, ready, invocation, fds)
     # From here on the program is (being) forked: what is sent to us is meant for it.
     mirror = mirroring.Mirror(lambda signum: protocol.send_op(sock, "signal", signum=signum))
     mirror.install()
-    running, retried = False, False
+    running = False
     reader = protocol.EventReader()
     while True:
         try:
@@ -231,15 +236,11 @@ def main(socket_path: str) -> None:
                     os.close(fd)
             elif kind == "stopped":
                 mirror.on_stopped(int(event["signum"]), int(event["relayed"]))
-            elif kind == "fallback" and event.get("retry") and not retried:
-                # A stale zygote restarts once idle; its listener queues us until it serves.
-                sock.close()
-                sock, retried = submit(socket_path, invocation, fds), True
-                reader = protocol.EventReader()
-                break
             elif kind in ("fallback", "error", "refused") and not running:
+                # The program itself reports what went wrong, if anything; a stale zygote that
+                # restarts would keep it waiting for a whole preload.
                 sock.close()
-                invocation.become_real()  # the program itself reports what went wrong, if anything
+                invocation.become_real()
             elif kind == "exit":
                 mirroring.die_like(int(event["returncode"]))
 
@@ -248,4 +249,4 @@ if __name__ == "__main__":  # the written executable: SOCKET and the sources pre
     protocol = embedded_module("preload_launcher_protocol", PROTOCOL_SOURCE)  # noqa: F821
     process_attrs = embedded_module("preload_launcher_process_attrs", PROCESS_ATTRS_SOURCE)  # noqa: F821
     mirroring = embedded_module("preload_launcher_mirroring", MIRRORING_SOURCE)  # noqa: F821
-    main(SOCKET)  # noqa: F821
+    main(SOCKET, READY)  # noqa: F821

@@ -92,6 +92,7 @@ class Zygote(ZygoteRequests):
 
     def reexec(self) -> None:
         """Re-execute: the pid, socket and pipes survive, the preloaded image does not."""
+        remove_all(zygote_files(self.config.socket_path)["ready"])  # stand-ins do not wait
         fds = [self.config.listen_fd, self.config.alive_fd, self.config.lock_fd]
         if self.announced:
             os.environ[RESTARTED_ENV] = "1"  # the new image must not announce again
@@ -173,6 +174,10 @@ class Zygote(ZygoteRequests):
         self.thread_counts({"env": {}})
         self.fresh_counts.ask_ahead({"OMP_NUM_THREADS": "1"})  # ranks' counts, asked ahead
         self.fill_warm_pool()
+        # Stand-ins ask only a zygote that serves: one started before the preload is done runs
+        # the real program, never waiting longer than a fresh start.
+        os.close(os.open(zygote_files(self.config.socket_path)["ready"],
+                         os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         while not self.stopping:
             events = self.selector.select(0 if self.learn_due and not self.steps
                                           else self.idle_left())

@@ -10,6 +10,7 @@ import errno
 import itertools
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -124,7 +125,7 @@ class ZygoteProcess:
 
     def install_standins(self) -> None:
         """Written here, not by the zygote, so a step may run before the preload is done: its
-        stand-ins wait in the listener's queue."""
+        stand-ins run the real program until the zygote serves (``standin.submit``)."""
         try:
             self.standins = standin.install(self.socket_path)
         except OSError:
@@ -267,11 +268,19 @@ class ZygoteProcess:
     def close(self) -> None:
         if self.daemon:
             return  # a daemon outlives its handles; `preload-launcher stop` ends it
+        preloading = self.process is not None and self.process.poll() is None \
+            and not self.poll_ready() and self._start_error is None
         if self._alive_w >= 0:
             os.close(self._alive_w)  # EOF on its alive pipe: the zygote exits
             self._alive_w = -1
         clean = False
-        if self.process is not None:
+        if preloading:
+            # It reads its alive pipe only once it serves: a session shorter than the preload
+            # would wait for it. Nothing failed; it and its scouts go now, with its files.
+            _kill_group(self.process.pid)
+            self.process.wait()
+            clean = True
+        elif self.process is not None:
             try:
                 clean = self.process.wait(timeout=5) == 0
             except subprocess.TimeoutExpired:
@@ -279,7 +288,7 @@ class ZygoteProcess:
                 self.process.wait()
         # A zygote that ended well leaves nothing behind; a failed one keeps its log.
         files = zygote_files(self.socket_path)
-        remove_all(files["socket"], files["standins"])
+        remove_all(files["socket"], files["standins"], files["ready"])
         if clean:
             unlink_all(files["log"])
 
@@ -355,3 +364,10 @@ def _tail(path: str, limit: int = 4000) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -84,7 +84,8 @@ def test_pytest_timeout_leaves_no_step_behind(pytester, tmp_path, method, how):
         import os, sys
         import preload_launcher
 
-        def test_hangs():
+        def test_hangs(request):  # stand-ins ask only a zygote that serves: its preload first
+            request.getfixturevalue("preload_launcher").zygote_for_standins(os.environ).wait_ready()
             {call}
     """)
     # The program would sleep far past the outer timeout: the test ends only if it is stopped.
@@ -169,8 +170,10 @@ def test_the_summary_counts_interpreters_a_shell_step_started(pytester):
         import os, sys
         import preload_launcher
 
-        def test_shell_step():
+        def test_shell_step(request):
             env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+            # Stand-ins ask only a zygote that serves: its preload first.
+            request.getfixturevalue("preload_launcher").zygote_for_standins(env).wait_ready()
             r = preload_launcher.run(["bash", "-c", "python -c 'print(1)'; python -c 'print(2)'"], env=env)
             assert (r.via, r.stdout) == ("subprocess", "1\\n2\\n"), r
     """)

@@ -46,6 +46,13 @@ SCRIPT = textwrap.dedent("""\
     """)
 
 
+@pytest.fixture(autouse=True)
+def preloaded(torch_launcher):
+    """A stand-in asks only a zygote that serves (one that still preloads: the real program
+    runs, tests/test_session_edges.py); the tests here compare forked programs."""
+    torch_launcher.zygote_for_standins(dict(os.environ)).wait_ready()
+
+
 @pytest.fixture
 def project(tmp_path):
     (tmp_path / "a.py").write_text(PROGRAM)

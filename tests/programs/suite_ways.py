@@ -23,6 +23,14 @@ def parse(out):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def preloaded(preload_launcher):
+    """A stand-in asks only a zygote that serves (one that still preloads: the real program
+    runs); what is compared here is what forked programs see, so the preload is done first."""
+    if os.environ.get("PRELOAD_LAUNCHER") != "0":
+        preload_launcher.zygote_for_standins(dict(os.environ)).wait_ready()
+
+
 def test_sys_executable():
     done = subprocess.run([sys.executable, PROBE, "3"], capture_output=True, text=True,
                           input="to stdin")

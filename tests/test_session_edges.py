@@ -1,0 +1,55 @@
+"""The edges of a switched session, each as without the launcher: a launch made before the
+preload is done runs at once (the real program), never waiting for it."""
+
+import json
+import os
+import subprocess
+
+from conftest import PY, program
+
+
+def test_a_launch_before_the_preload_is_done_does_not_wait_for_it(tmp_path):
+    """Under the switch, an interpreter a test starts while the zygote still preloads runs as
+    the real program at once; once the zygote serves, it is forked. The preload here never ends
+    until the first launch returned: a launch that waited for it would time out."""
+    (tmp_path / "held_preload.py").write_text(
+        "import os, time\nwhile not os.path.exists(os.environ['HELD_FLAG']):\n"
+        "    time.sleep(0.05)\n")
+    env = dict(os.environ, HELD_FLAG=str(tmp_path / "flag"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([PY, program("early_launch.py")], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {"early": [0, "False\n"], "late": [0, "True\n"]}, seen
+
+
+def test_a_session_shorter_than_the_preload_ends_at_once_and_leaves_nothing(tmp_path):
+    """With the plugin on (the default), a pytest session that ends while the zygote still
+    preloads ends the zygote then and there (it waited up to 5 s for it, and kept its log in the
+    runtime directory, one per session). The preload here never ends by itself."""
+    (tmp_path / "held_preload.py").write_text(
+        "import os, time\nwhile not os.path.exists(os.environ['HELD_FLAG']):\n"
+        "    time.sleep(0.05)\n")
+    (tmp_path / "test_short.py").write_text("def test_nothing():\n    pass\n")
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, HELD_FLAG=str(tmp_path / "never"), XDG_RUNTIME_DIR=str(runtime),
+               PRELOAD_LAUNCHER="1", PRELOAD_LAUNCHER_MODULES="held_preload",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_short.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    left = [str(p.relative_to(runtime)) for p in runtime.rglob("*") if not p.is_dir()]
+    assert left == [], left
+    flag = f"HELD_FLAG={tmp_path / 'never'}".encode()
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and flag in environ(pid)], \
+        "the zygote or its scouts outlived the session"
+
+
+def environ(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
