@@ -6,6 +6,7 @@ and the verdict a dirty entry earns (its culprit's package deferred, or the entr
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib.util
 import sys
 import threading
@@ -78,11 +79,26 @@ class _CulpritHook:
                 self.watcher.checkpoint("e", key, self)
 
     def __enter__(self):
-        builtins.__import__ = self
+        builtins.__import__ = self._delegator()
         return self
 
     def __exit__(self, *exc):
+        self.active = False
         builtins.__import__ = self._original
+
+    def _delegator(self):
+        """What ``builtins.__import__`` is while the entry imports. A module may keep it (to
+        wrap imports of its own): once the import is over, what it kept is the original
+        ``__import__`` again in all but identity, in every forked step."""
+        hook, original = self, self._original
+        self.active = True
+
+        @functools.wraps(original)
+        def __import__(name, globals=None, locals=None, fromlist=(), level=0):
+            if hook.active:
+                return hook(name, globals, locals, fromlist, level)
+            return original(name, globals, locals, fromlist, level)
+        return __import__
 
 
 def _modules_being_imported() -> list[str]:

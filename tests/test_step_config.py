@@ -214,3 +214,27 @@ def test_a_family_of_native_variables_is_compared_as_a_whole():
     assert import_env_mismatch(zygote, {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"}) == ["OMP_*"]
     assert import_env_mismatch(zygote, {}) == ["OMP_*"]
     assert import_env_mismatch({"OMP_*": None}, {"OMP_NUM_THREADS": "2"}) == []
+
+
+KEEPS_IMPORT = "import builtins\nIMPORT = builtins.__import__  # to wrap imports, as some do\n"
+USES_IMPORT = """import keeps_import
+path = keeps_import.IMPORT("os.path", fromlist=["join"])
+print(path.__name__, keeps_import.IMPORT("colorsys").__name__,
+      getattr(keeps_import.IMPORT, "__name__", None), keeps_import.IMPORT.__doc__)
+"""
+
+
+def test_the_import_function_a_preloaded_module_kept_behaves_as_pythons(tmp_path):
+    """The zygote watches each preloaded import through ``builtins.__import__``; a module that
+    kept that function at import gets python's own behaviour from it in a step (scouts on)."""
+    (tmp_path / "keeps_import.py").write_text(KEEPS_IMPORT)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PRELOAD_LAUNCHER_PROBE="fake",
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    launcher = Launcher(["json", "keeps_import"])
+    try:
+        got = launcher.run([PY, "-c", USES_IMPORT], env=env, timeout=120)
+    finally:
+        launcher.close()
+    ref = plain([PY, "-c", USES_IMPORT], env=env)
+    assert (got.via, got.returncode, got.stdout) == ("zygote", ref.returncode, ref.stdout)
+    assert ref.stdout.startswith("posixpath colorsys __import__ ")
