@@ -136,6 +136,12 @@ SUITE = """
 
     CASES = json.loads(os.environ["STEP_CASES"])
 
+
+    @pytest.fixture(scope="session", autouse=True)
+    def preloaded(preload_launcher):  # a stand-in asks only a zygote that serves
+        if os.environ.get("PRELOAD_LAUNCHER") != "0":
+            preload_launcher.zygote_for_standins(dict(os.environ)).wait_ready()
+
     @pytest.mark.parametrize("name", sorted(CASES))
     def test_step(name):
         env = dict(os.environ, **CASES[name])
