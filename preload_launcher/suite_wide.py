@@ -20,6 +20,7 @@ The launcher's own launches (a plain step of ``run()``, a zygote, a probe) are n
 
 from __future__ import annotations
 
+import inspect
 import os
 import shlex
 import subprocess
@@ -33,6 +34,8 @@ from .command import _same_file_and_dir, _shebang_interpreter, console_script_in
 __all__ = ["install", "uninstall", "counts"]
 
 _original_execute_child = subprocess.Popen._execute_child
+# Its parameters after ``env``, by name (``shell``, ``gid``, ``gids``, ``uid``, …).
+_REST_PARAMETERS = list(inspect.signature(_original_execute_child).parameters)[8:]
 _original_system = os.system
 _lock = threading.Lock()
 _launcher = None  # the session's Launcher while installed
@@ -43,6 +46,7 @@ _counts = {"interpreters": 0, "with_standins": 0}
 def install(launcher) -> None:
     """Redirect this process's launches to ``launcher``'s zygote until ``uninstall``."""
     global _launcher, _spawn_executable_before
+    import multiprocessing.resource_tracker
     import multiprocessing.spawn
     with _lock:
         _launcher = launcher
@@ -50,6 +54,10 @@ def install(launcher) -> None:
         os.system = _system
         program = _standin_program(dict(os.environ))
         if program and _spawn_executable_before is None:
+            # The test process's resource tracker is the real interpreter: it must outlive the
+            # session's zygote, to unlink the shared memory and semaphores the tests leaked
+            # once the test process ends (as it does without the launcher).
+            multiprocessing.resource_tracker.ensure_running()
             _spawn_executable_before = multiprocessing.spawn.get_executable()
             multiprocessing.spawn.set_executable(program)
 
@@ -82,10 +90,15 @@ def _count(kind: str) -> None:
 def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                    *rest):
     """``Popen._execute_child`` with the program, or its PATH, redirected (its positional
-    parameters up to ``env`` are the same in Python 3.10-3.13; ``shell`` follows as rest[2])."""
-    if _launcher is not None and not _launched_by_launcher():
+    parameters up to ``env`` are the same in Python 3.10-3.13; the rest are read by name). A
+    launch that changes its identity (``user=``, ``group=``, ``extra_groups=``) runs the real
+    program: the zygote's child would keep the zygote's, and a stand-in run as another user
+    could not reach the zygote (its files are ours alone)."""
+    named = dict(zip(_REST_PARAMETERS, rest))
+    changes_identity = any(named.get(name) is not None for name in ("gid", "gids", "uid"))
+    if _launcher is not None and not changes_identity and not _launched_by_launcher():
         try:
-            executable, env = _redirect(args, executable, cwd, env, shell=rest[2])
+            executable, env = _redirect(args, executable, cwd, env, shell=named["shell"])
         except Exception:  # never the launch's undoing: it runs as it would have
             pass
     return _original_execute_child(self, args, executable, preexec_fn, close_fds, pass_fds,

@@ -1,9 +1,13 @@
 """The edges of a switched session, each as without the launcher: a launch made before the
-preload is done runs at once (the real program), never waiting for it."""
+preload is done runs at once, a session shorter than the preload neither waits for it nor
+leaves files, what a test leaked is cleaned up when the test process ends, and Popen's
+identity arguments reach the program."""
 
 import json
 import os
 import subprocess
+
+import pytest
 
 from conftest import PY, program
 
@@ -53,3 +57,48 @@ def environ(pid: str) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+LEAKY_TEST = """
+import os
+from multiprocessing import shared_memory
+
+
+def test_leaks(request):
+    if os.environ["PRELOAD_LAUNCHER"] == "suite":  # its zygote serves the tracker's start
+        request.getfixturevalue("preload_launcher").zygote_for_standins(os.environ).wait_ready()
+    shm = shared_memory.SharedMemory(create=True, size=16)
+    print("segment", shm.name)
+    shm.close()  # never unlinked
+"""
+
+
+def test_what_a_test_leaked_is_cleaned_up_when_the_test_process_ends(tmp_path):
+    """A shared memory segment a test leaked is unlinked by the test process's resource tracker
+    once the process ends, with its warning, also when the session was switched (the session's
+    zygote took the tracker with it: the segment stayed in /dev/shm)."""
+    (tmp_path / "test_leaky.py").write_text(LEAKY_TEST)
+    ends = {}
+    for way in ("0", "suite"):
+        env = dict(os.environ, PRELOAD_LAUNCHER=way, PRELOAD_LAUNCHER_MODULES="json")
+        done = subprocess.run([PY, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                               "test_leaky.py"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        name = done.stdout.split("segment ", 1)[1].split()[0]
+        ends[way] = (os.path.exists(f"/dev/shm/{name.lstrip('/')}"),
+                     "leaked shared_memory objects" in done.stderr)
+    assert ends["0"] == (False, True), ends
+    assert ends["suite"] == ends["0"], ends
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a launch's user or group needs root")
+def test_popens_identity_arguments_reach_the_program():
+    """``group=``, ``extra_groups=`` and ``user=`` give the program the ids they give it
+    plainly (forked, it kept the zygote's: gid 0 where it asked for 65534)."""
+    ref, got = (json.loads(subprocess.run([PY, program("identity_launch.py"), way],
+                                          capture_output=True, text=True, timeout=120,
+                                          check=True).stdout) for way in ("plain", "switch"))
+    assert ref["group"][:2] == [0, "0 65534 [65534]\n"], ref
+    assert got.pop("forked") == 1  # the launch that kept its identity was served
+    assert got == ref
