@@ -25,4 +25,5 @@ def interpreter_identity() -> str:
 def interpreter_key(*parts: str, length: int = 16) -> str:
     """A short hash of this interpreter's identity and ``parts``."""
     text = "\n".join([interpreter_identity(), *parts])
-    return hashlib.sha256(text.encode()).hexdigest()[:length]
+    # A path that is not valid UTF-8 (a folder named in another encoding) keys by its bytes.
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:length]

@@ -201,6 +201,8 @@ class ZygoteProcess:
             self._start_error = LauncherError(
                 f"zygote exited during preload (code {self.process.wait()}); "
                 f"log: {self.log_path}\n{_tail(self.log_path)}")
+            files = zygote_files(self.socket_path)  # its log stays: the error names it
+            remove_all(files["socket"], files["standins"], files["ready"])
             self._ready.set()
             raise self._start_error
         self.status = protocol.EventReader().feed(data)[0]

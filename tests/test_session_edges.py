@@ -102,3 +102,25 @@ def test_popens_identity_arguments_reach_the_program():
     assert ref["group"][:2] == [0, "0 65534 [65534]\n"], ref
     assert got.pop("forked") == 1  # the launch that kept its identity was served
     assert got == ref
+
+
+def test_a_folder_named_in_another_encoding_is_served_and_left_clean(tmp_path):
+    """A caller in a folder whose name is not valid UTF-8 gets its step forked, seeing the same
+    folder as plainly (its zygote died at start: UnicodeEncodeError), and leaves no file in the
+    runtime directory."""
+    folder = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
+    os.mkdir(folder)
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), PRELOAD_LAUNCHER_MODULES="json")
+    probe = "import os; print(os.fsencode(os.getcwd()))"
+    ref = subprocess.run([PY, "-c", probe], cwd=folder, env=env, capture_output=True, timeout=60)
+    done = subprocess.run([PY, "-c", "import sys; from preload_launcher import client\n"
+                           f"r = client.run([sys.executable, '-c', {probe!r}])\n"
+                           "client.default_launcher().close()  # its zygote ended\n"
+                           "print(r.via, r.reason); print(r.stdout, end='')"],
+                          cwd=folder, env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    via, output = done.stdout.split(b"\n", 1)
+    assert (via.strip(), output) == (b"zygote", ref.stdout), done.stdout
+    assert [p for p in runtime.rglob("*") if not p.is_dir()] == []
