@@ -4,6 +4,10 @@ Using the package loads the caller's side only (client, zygote_handle, command, 
 settings), on first use of a name below: ``import preload_launcher.cli`` (the console script)
 imports none of it, so a one-off ``preload-launcher run`` starts fast. The zygote's modules are
 imported by the zygote process itself.
+
+PYTEST_DONT_REWRITE: pytest marks a plugin's package for assertion rewriting, and a pytest
+forked from a zygote, which holds this package, would warn that it is imported already (an
+error under ``filterwarnings = error``); this file has no asserts to rewrite.
 """
 
 from __future__ import annotations

@@ -44,4 +44,9 @@ PY
 "$work/venv/bin/python" -m pytest -q -p no:cacheprovider test_smoke.py >"$work/pytest.log" 2>&1 \
   || { cat "$work/pytest.log"; exit 1; }
 grep -q "preload_launcher" "$work/pytest.log" || { cat "$work/pytest.log"; echo "package_check: no plugin summary" >&2; exit 1; }
+# pytest forked from a zygote, which holds the installed package: pytest would rewrite it (a
+# pytest11 distribution) and must not warn that it is imported already (an error here).
+"$work/venv/bin/preload-launcher" run --no-daemon -- "$work/venv/bin/python" -m pytest -q \
+  -p no:cacheprovider -W error::pytest.PytestAssertRewriteWarning test_smoke.py \
+  >"$work/forked.log" 2>&1 || { cat "$work/forked.log"; echo "package_check: forked pytest failed" >&2; exit 1; }
 echo "package_check: $(basename "$sdist") and $(basename "$wheel") build; the wheel installs and works outside the source tree"
