@@ -139,6 +139,14 @@ class Launcher:
             # A stale daemon restarts itself; its listener queues us until it serves again.
             print(f"preload_launcher: zygote restarting ({result['reason']})", file=sys.stderr)
             result = self._run_in_zygote(zygote, parsed, timeout, echo, capture, relay)
+        if isinstance(result, dict) and "import_env" in result:
+            # It learned modules that read variables this step sets otherwise: choose again.
+            self._learned_env(zygote, result)
+            try:
+                zygote = self.zygote_for(step_env)
+            except LauncherError as err:
+                return self._count(plain(f"zygote failed to start: {err}"))
+            result = self._run_in_zygote(zygote, parsed, timeout, echo, capture, relay)
         if isinstance(result, dict):  # a "fallback" event: the zygote cannot serve this step
             if result.get("retire", True):
                 self._retire(zygote)  # it refused to fork: it is not clean
@@ -229,6 +237,14 @@ class Launcher:
                 z.poll_ready()  # one whose readiness nobody waited for (the xdist controller's)
             self._forget_dead()
             return list(self.lost)
+
+    def _learned_env(self, zygote: ZygoteProcess, fallback: dict) -> None:
+        """Take in the import environment a zygote's refusal named (grown by what it learned
+        while idle), so that steps are matched against what it holds now."""
+        with self._lock:
+            preload = zygote.status.setdefault("preload", {})
+            preload["import_env"] = fallback["import_env"]
+            preload["set_while_importing"] = fallback.get("set_while_importing") or {}
 
     def _retire(self, zygote: ZygoteProcess) -> None:
         with self._lock:

@@ -27,9 +27,47 @@ from typing import Callable, Optional, Sequence
 from .files import read_json, unlink_all, update_json, write_json
 from .identity import interpreter_key
 
-__all__ = ["Profile", "profile_key", "report_step_imports", "ImportEffects", "undo_import"]
+__all__ = ["Profile", "profile_key", "report_step_imports", "ImportEffects", "undo_import",
+           "test_runner_modules", "reaches_test_runner"]
 
 MAX_LEARNED = 5000  # most frequently seen modules kept; the rest are dropped
+TEST_RUNNER = ("pytest", "_pytest", "pluggy", "py")  # pytest itself and what it is made of
+
+
+@functools.lru_cache(maxsize=None)
+def test_runner_modules() -> frozenset[str]:
+    """Top-level modules a test run must import itself: pytest's own, and every module of a
+    distribution that registers a ``pytest11`` plugin, which pytest marks for assertion
+    rewriting at start-up (an imported one cannot be rewritten: pytest warns, and a suite with
+    ``filterwarnings = error`` fails before collecting). Found as pytest finds them: the
+    distribution's top-level files and packages, and its entry points' modules."""
+    from importlib.metadata import distributions
+    names = set(TEST_RUNNER)
+    for dist in distributions():
+        plugins = [ep for ep in dist.entry_points if ep.group == "pytest11"]
+        if not plugins:
+            continue
+        names.update(ep.module.partition(".")[0] for ep in plugins)
+        for path in dist.files or ():
+            if path.name.startswith("__editable__"):
+                continue  # setuptools' finder of an editable install, as pytest skips it
+            if len(path.parts) == 1 and path.suffix == ".py" and path.stem != "setup":
+                names.add(path.stem)
+            elif len(path.parts) == 2 and path.parts[1] == "__init__.py":
+                names.add(path.parts[0])
+    return frozenset(names)
+
+
+def _top(name: str) -> str:
+    return name.partition(".")[0]
+
+
+def reaches_test_runner(before: set[str]) -> str:
+    """Why the modules imported since ``before`` must stay a test run's own ('' if they may
+    be learned): they include a module of the test runner (``test_runner_modules``)."""
+    reached = sorted({_top(name) for name in sys.modules if name not in before}
+                     & test_runner_modules())
+    return f"imports {', '.join(reached[:3])}, which pytest must import itself" if reached else ""
 
 
 def profile_key(project: str) -> str:
@@ -121,10 +159,11 @@ class Profile:
         """Pinned first, then learned modules in the order steps first imported them."""
         forgotten = set(self.data["forgotten"]) | set(self.data["unlearnable"])
         ordered = list(self.data["pinned"]) + list(self.data["modules"])
+        runner = test_runner_modules()
         seen: set[str] = set()
         out = []
         for name in ordered:
-            if name in seen or name in forgotten or name in exclude:
+            if name in seen or name in forgotten or name in exclude or _top(name) in runner:
                 continue
             seen.add(name)
             out.append(name)
@@ -193,10 +232,12 @@ class Profile:
 
 
 def _count(modules: list[str], data: dict) -> None:
-    """One step's report: each module it imported seen once more (unless forgotten)."""
+    """One step's report: each module it imported seen once more (unless forgotten, or the
+    test runner's)."""
     forgotten = set(data["forgotten"]) | set(data["unlearnable"])
+    runner = test_runner_modules()
     for module in modules:
-        if module not in forgotten:
+        if module not in forgotten and _top(module) not in runner:
             entry = data["modules"].setdefault(module, {"count": 0, "seconds": None})
             entry["count"] += 1
 

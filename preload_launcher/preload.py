@@ -83,6 +83,7 @@ class Preloader:
         self.blocker = Blocker(k[len(DEFER):] for k in self.skip if k.startswith(DEFER))
         self.blocker.entries = frozenset(top_level(m) for m in config.modules)
         sys.meta_path.insert(0, self.blocker)  # for the zygote's whole life
+        self.start_env: dict[str, str] = dict(os.environ)  # what the imports saw (``run``)
         self.env_set_by_preload: dict[str, str] = {}
         self.learn_reports_dir = ""
         self.profile: Optional[learn.Profile] = None  # set while learning is on
@@ -119,7 +120,7 @@ class Preloader:
     def run(self) -> PreloadReport:
         """Preload; raises ``Quarantined`` when an entry must go. Records which variables the
         imports read (a zygote serves only steps that agree on them) and which they set."""
-        start_env = dict(os.environ)
+        start_env = self.start_env = dict(os.environ)
         with threads.preload_limits(), recording_env_reads() as keys:
             guard = CrashGuard(self.config.cache_dir, self.cache.fingerprint, known=self.scouted)
             report = preload(self.config.modules, self.probe, self.skip, self.blocker,
@@ -136,18 +137,25 @@ class Preloader:
                 report.learned = self.preload_learned()
         report.deferred = self.deferred()
         report.hints = {key: "re-verifying" for key in self.hints}
-        keys = (keys | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV)) - {
-            *PRELOAD_ENV, *PER_TEST_ENV, *TERMINAL_ENV, QUARANTINE_ENV, RESTARTED_ENV}
-        # What the imports saw, not what they left: some set variables while importing.
-        report.import_env = {k: interpreter.env_value(start_env, k) for k in sorted(keys)}
+        self.note_env_reads(report, keys | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV))
         # And what sys.flags fixed at start-up from the environment (-O, dev mode, UTF-8, ...).
         report.import_env.update({interpreter.FLAG_PREFIX + k: v
                                   for k, v in interpreter.zygote_flags().items()})
-        self.env_set_by_preload = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
+        return report
+
+    def note_env_reads(self, report: PreloadReport, keys: set[str]) -> None:
+        """Add the variables imports just read to those a step must agree on
+        (``report.import_env``), with the value they saw: the environment the zygote started
+        with, not what the imports left (some set variables while importing). What they set
+        is kept for the steps too (``env_set_by_preload``, updated in place: the zygote's)."""
+        keys = keys - {*PRELOAD_ENV, *PER_TEST_ENV, *TERMINAL_ENV, QUARANTINE_ENV, RESTARTED_ENV}
+        report.import_env.update({k: interpreter.env_value(self.start_env, k)
+                                  for k in sorted(keys) if k not in report.import_env})
+        self.env_set_by_preload.update({k: v for k, v in os.environ.items()
+                                        if self.start_env.get(k) != v})
         report.set_while_importing = {k: v for k, v in {**IMPORT_DEFAULTS,
                                                         **self.env_set_by_preload}.items()
-                                      if k in report.import_env and start_env.get(k) is None}
-        return report
+                                      if k in report.import_env and self.start_env.get(k) is None}
 
     def should_scout(self, module: str) -> bool:
         """Scout an entry never seen on this package set, where culprits can be seen at all."""
@@ -223,13 +231,18 @@ class Preloader:
             self.quarantine(dirty, LEARNED + top_level(dirty.module))
         return summary
 
-    def learn_while_idle(self, idle: Callable[[], bool]) -> dict:
+    def learn_while_idle(self, idle: Callable[[], bool], report: PreloadReport) -> dict:
         """What finished steps imported that this zygote lacks, imported now, one module at a
-        time while ``idle()``: later steps of the same session profit from earlier ones."""
+        time while ``idle()``: later steps of the same session profit from earlier ones. The
+        variables these imports read join ``report.import_env`` as the preload's do."""
         if self.profile is None:
             return {"imported": 0}
         merged = self.profile.merge_reports()
-        return self.learn(idle, changed=merged > 0)
+        with recording_env_reads() as keys:
+            try:
+                return self.learn(idle, changed=merged > 0)
+            finally:
+                self.note_env_reads(report, set(keys))
 
 
 def freeze_image() -> None:

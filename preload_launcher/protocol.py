@@ -18,6 +18,7 @@ Events are JSON lines, read by one ``EventReader`` per connection:
     exec      t            user code begins (wall clock); the launcher's overhead ends here
     error     type, errno, strerror, filename   set-up failed before user code (cwd, stdio)
     fallback  reason, retire, retry   the zygote cannot serve this step: run it as a process
+              (import_env, set_while_importing: the zygote's, grown since the caller asked)
     exit      returncode   the step ended (reported by the step itself, and again by its reaper)
     status    (the zygote's status)   answer to op "status"
     stopping  pid          answer to op "stop"

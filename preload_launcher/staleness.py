@@ -1,5 +1,6 @@
-"""A daemon's staleness: edits to preloaded modules outside site-packages, and package
-installs or removals, after its preload (it restarts itself once idle)."""
+"""A zygote's staleness: edits to the modules it holds (preloaded or learned) outside
+site-packages, and package installs or removals, since it imported them (it restarts itself
+once idle, so that no step runs code older than its files)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ import sys
 
 __all__ = ["StalenessWatch"]
 
+CHANGED_WHILE_IMPORTING = -2  # a file written while the pass that imported it ran
+# File times come from the kernel's coarse clock, a tick or so behind ``time.time_ns()``: a
+# write just after a pass began may carry a time just before it.
+CLOCK_SLACK_NS = 20_000_000
+
 
 class StalenessWatch:
-    """Notices edits to preloaded modules outside site-packages and package installs/removals.
+    """Notices edits to the modules this process holds outside site-packages and package
+    installs/removals.
 
     Local source files are compared by mtime; installed packages through the mtime of each
-    site-packages directory (an install or uninstall adds or removes entries there)."""
+    site-packages directory (an install or uninstall adds or removes entries there). Modules
+    imported later (learned while idle) join the watch with ``add_new``."""
 
     def __init__(self) -> None:
         import site
@@ -21,12 +29,27 @@ class StalenessWatch:
         dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
         dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
         self.site_dirs = {d: _mtime(d) for d in dirs if os.path.isdir(d)}
-        roots = tuple(os.path.join(os.path.realpath(d), "") for d in self.site_dirs)
+        self.roots = tuple(os.path.join(os.path.realpath(d), "") for d in self.site_dirs)
         self.local_files: dict[str, int] = {}
-        for module in list(sys.modules.values()):
+        self.seen: set[str] = set()  # modules looked at already
+        self.add_new()
+
+    def add_new(self, since_ns: int = 0) -> None:
+        """Watch the local files of modules imported since the last call. ``since_ns``: when
+        the pass that imported them began (``time.time_ns()``); a file written after that may
+        have been read in its old version, and counts as changed (a restart too many costs a
+        preload; one too few, a step running old code)."""
+        for name, module in list(sys.modules.items()):
+            if name in self.seen:
+                continue
+            self.seen.add(name)
             path = getattr(module, "__file__", None)
-            if path and os.path.isfile(path) and not os.path.realpath(path).startswith(roots):
-                self.local_files[path] = _mtime(path)
+            if not path or path in self.local_files or not os.path.isfile(path) or \
+                    os.path.realpath(path).startswith(self.roots):
+                continue
+            mtime = _mtime(path)
+            changed = since_ns and mtime >= since_ns - CLOCK_SLACK_NS
+            self.local_files[path] = CHANGED_WHILE_IMPORTING if changed else mtime
 
     def changes(self) -> list[str]:
         changed = [p for p, t in self.local_files.items() if _mtime(p) != t]

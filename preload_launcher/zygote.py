@@ -123,7 +123,9 @@ class Zygote(ZygoteRequests):
             say("spawned interpreters will not be served: no stand-in was installed")
 
     def announce_ready(self) -> None:
-        self.watch = StalenessWatch() if self.config.daemon else None
+        # Every zygote, not only a daemon: a module learned from a test's folder may be edited
+        # by the next test, whose step must not run the old code.
+        self.watch = StalenessWatch()
         if self.announced:
             say("restarted; serving again")
             return  # the starter heard from us already; this fd number is not ours any more
@@ -150,6 +152,7 @@ class Zygote(ZygoteRequests):
             "standin_fallbacks": self.standin_fallbacks,
             "gpus": self.gpus.describe() if self.gpus else None,
             "stale": self.watch.changes() if self.watch else [],
+            "learn_pending": self.learn_due,
         }
 
     # -------------------------------------------------------------- loop
@@ -245,13 +248,16 @@ class Zygote(ZygoteRequests):
         until a request comes in (the same CUDA-clean rules and budget as at start-up)."""
         self.learn_due = False
         before = procfs.open_fds()
+        began = time.time_ns()
         try:
-            summary = self.preloader.learn_while_idle(lambda: not self.selector.select(0))
+            summary = self.preloader.learn_while_idle(lambda: not self.selector.select(0),
+                                                      self.report)
         except Quarantined as verdict:
             signal.set_wakeup_fd(-1)
             self.restart_without(verdict)
         self.learn_due = summary.get("interrupted", False)  # go on at the next idle moment
         self.preload_fds |= procfs.open_fds() - before  # what the learned imports opened
+        self.watch.add_new(since_ns=began)  # learned modules are watched as preloaded ones
         if summary["imported"]:
             freeze_image()
             learned = self.report.learned

@@ -100,10 +100,15 @@ class ZygoteRequests:
             spec = self.classify_standin(spec)
             if isinstance(spec, str):  # the stand-in runs the real program
                 self.count_standin_fallback(spec)
-                protocol.send_event(conn, "fallback", reason=spec, retire=False)
-                runtime.close_fds(fds)
-                conn.close()
+                _send_fallback(conn, fds, reason=spec, retire=False)
                 return
+        elif self.env_differs(spec["env"]):
+            # The caller chose us by an import environment older than what we learned since:
+            # it gets ours, to choose again.
+            _send_fallback(conn, fds, reason=self.env_differs(spec["env"]), retire=False,
+                           import_env=self.report.import_env,
+                           set_while_importing=self.report.set_while_importing)
+            return
         self.check_staleness()
         dirty = cuda.fork_refusal(self.probe)
         if dirty or self.restart_reason:
@@ -112,10 +117,8 @@ class ZygoteRequests:
             if standin:
                 self.count_standin_fallback(dirty or self.restart_reason)
             # Dirty: the caller retires this zygote. Stale: it retries once we restarted.
-            protocol.send_event(conn, "fallback", reason=dirty or self.restart_reason,
-                                retire=bool(dirty), retry=not dirty)
-            runtime.close_fds(fds)
-            conn.close()
+            _send_fallback(conn, fds, reason=dirty or self.restart_reason, retire=bool(dirty),
+                           retry=not dirty)
             self.restart_if_idle()
             return
         if standin:
@@ -183,11 +186,9 @@ class ZygoteRequests:
         or why the real program must run (not served, or an environment the preload's imports
         would have seen differently). A spawned interpreter's command line is multiprocessing's
         own, parsed by the child; its parent may still have changed the environment."""
-        report = self.report
-        differs = import_env_mismatch(report.import_env if report else {}, spec["env"],
-                                      report.set_while_importing if report else None)
+        differs = self.env_differs(spec["env"])
         if differs:
-            return f"its environment differs from the preload's in {', '.join(differs[:3])}"
+            return differs
         if spec.get("spawned"):
             return spec
         try:
@@ -198,6 +199,15 @@ class ZygoteRequests:
             return parsed.reason
         return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"], "nested": True,
                 "process": spec.get("process") or {}}
+
+    def env_differs(self, env: dict) -> str:
+        """Why ``env`` is not the environment this zygote's imports (preloaded and learned)
+        saw; '' when it is."""
+        report = self.report
+        differs = import_env_mismatch(report.import_env if report else {}, env,
+                                      report.set_while_importing if report else None)
+        return f"its environment differs from the preload's in {', '.join(differs[:3])}" \
+            if differs else ""
 
     def check_staleness(self) -> None:
         """A daemon whose preloaded code or packages changed restarts once idle."""
@@ -260,6 +270,13 @@ class ZygoteRequests:
         for message in messages:
             if message.get("op") == "signal":
                 running.signal(int(message["signum"]))
+
+
+def _send_fallback(conn: socket.socket, fds: list[int], **event) -> None:
+    """The step is not forked here: the caller runs it elsewhere (``protocol``: fallback)."""
+    protocol.send_event(conn, "fallback", **event)
+    runtime.close_fds(fds)
+    conn.close()
 
 
 def _send_error(conn: socket.socket, message: str) -> None:
