@@ -253,10 +253,13 @@ def _shared_summary(tr, launcher: client.Launcher, whom: str) -> None:
             status = z.request("status")
         except OSError:
             continue
-        if not status.get("served"):
+        # A daemon counts its whole life: what it had served when this session met it is not
+        # the session's.
+        served = status.get("served", 0) - (z.status.get("served") or 0)
+        if served <= 0:
             continue
         tr.write_sep("-", "preload_launcher")
-        tr.write_line(f"shared zygote {status['pid']}: served {status['served']} steps for "
+        tr.write_line(f"shared zygote {status['pid']}: served {served} steps for "
                       f"{whom}, preloaded {', '.join(status['preload'].get('loaded', []))}")
         packing = status.get("gpus")
         if packing and packing.get("granted_steps"):

@@ -115,8 +115,10 @@ def _system(command):
         return _original_system(command)
     _count("with_standins")
     text = os.fsdecode(command)
-    return _original_system(f"PATH={shlex.quote(path)}; export PATH; "
-                            f"exec /bin/sh -c {shlex.quote(text)}")
+    # The shell that runs the command is /bin/sh called `sh`, as os.system's is (its messages
+    # name it so); the PATH is set on the command's own first line (its line numbers stay).
+    inner = f"PATH={shlex.quote(path)}; export PATH; {text}"
+    return _original_system(f"PATH=/bin; exec sh -c {shlex.quote(inner)}")
 
 
 def _redirect(args, executable, cwd, env, shell: bool):

@@ -124,3 +124,56 @@ def test_a_folder_named_in_another_encoding_is_served_and_left_clean(tmp_path):
     via, output = done.stdout.split(b"\n", 1)
     assert (via.strip(), output) == (b"zygote", ref.stdout), done.stdout
     assert [p for p in runtime.rglob("*") if not p.is_dir()] == []
+
+
+def test_os_systems_shell_names_itself_as_plainly():
+    """Under the switch, ``os.system``'s shell is /bin/sh called ``sh`` (its messages, ``$0``
+    and line numbers as plainly; it named itself ``/bin/sh``)."""
+    code = ("import os, sys\n"
+            "if sys.argv[1] == 'switch':\n"
+            "    from preload_launcher import Launcher, suite_wide\n"
+            "    launcher = Launcher(['json'])\n"
+            "    suite_wide.install(launcher)\n"
+            "status = os.system('true\\nno_such_command_here; echo $0')\n"
+            "print(status, suite_wide.counts()['with_standins'] if sys.argv[1] == 'switch' else 1)\n"
+            "if sys.argv[1] == 'switch':\n"
+            "    suite_wide.uninstall()\n"
+            "    launcher.close()\n")
+    ref, got = (subprocess.run([PY, "-c", code, way], capture_output=True, text=True,
+                               timeout=120) for way in ("plain", "switch"))
+    assert "sh: 2: no_such_command_here: not found" in ref.stdout + ref.stderr, ref
+    assert (got.stdout, got.stderr) == (ref.stdout, ref.stderr)
+
+
+ONE_LAUNCH = """
+import os, subprocess, sys
+
+
+def test_one_launch(preload_launcher):
+    preload_launcher.zygote_for_standins(os.environ).wait_ready()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+"""
+
+
+def test_a_shared_daemon_counts_only_this_sessions_steps(tmp_path):
+    """A switched session served by a running daemon says how many steps it served for this
+    session, not in the daemon's whole life."""
+    (tmp_path / "test_one.py").write_text(ONE_LAUNCH)
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), PRELOAD_LAUNCHER_MODULES="json",
+               PRELOAD_LAUNCHER="suite")
+    cli = [PY, "-m", "preload_launcher.cli"]
+    subprocess.run([*cli, "serve", "--detach"], env=env, check=True, capture_output=True,
+                   timeout=120)
+    try:
+        lines = []
+        for _ in range(2):
+            done = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   "test_one.py"], cwd=tmp_path, env=env, capture_output=True,
+                                  text=True, timeout=180)
+            assert done.returncode == 0, done.stdout + done.stderr
+            lines += [line for line in done.stdout.splitlines() if "shared zygote" in line]
+    finally:
+        subprocess.run([*cli, "stop"], env=env, capture_output=True, timeout=120)
+    assert len(lines) == 2 and all("served 1 steps for" in line for line in lines), lines
