@@ -28,7 +28,8 @@ def test_a_launch_before_the_preload_is_done_does_not_wait_for_it(tmp_path):
     assert seen == {"early": [0, "False\n"], "late": [0, "True\n"]}, seen
 
 
-def test_a_session_shorter_than_the_preload_ends_at_once_and_leaves_nothing(tmp_path):
+def test_a_session_shorter_than_the_preload_ends_at_once_and_leaves_nothing(tmp_path,
+                                                                            runtime_base):
     """With the plugin on (the default), a pytest session that ends while the zygote still
     preloads ends the zygote then and there (it waited up to 5 s for it, and kept its log in the
     runtime directory, one per session). The preload here never ends by itself."""
@@ -36,8 +37,7 @@ def test_a_session_shorter_than_the_preload_ends_at_once_and_leaves_nothing(tmp_
         "import os, time\nwhile not os.path.exists(os.environ['HELD_FLAG']):\n"
         "    time.sleep(0.05)\n")
     (tmp_path / "test_short.py").write_text("def test_nothing():\n    pass\n")
-    runtime = tmp_path / "run"
-    runtime.mkdir(mode=0o700)
+    runtime = runtime_base  # a socket's path takes 107 bytes at most
     env = dict(os.environ, HELD_FLAG=str(tmp_path / "never"), XDG_RUNTIME_DIR=str(runtime),
                PRELOAD_LAUNCHER="1", PRELOAD_LAUNCHER_MODULES="held_preload",
                PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
@@ -104,14 +104,13 @@ def test_popens_identity_arguments_reach_the_program():
     assert got == ref
 
 
-def test_a_folder_named_in_another_encoding_is_served_and_left_clean(tmp_path):
+def test_a_folder_named_in_another_encoding_is_served_and_left_clean(tmp_path, runtime_base):
     """A caller in a folder whose name is not valid UTF-8 gets its step forked, seeing the same
     folder as plainly (its zygote died at start: UnicodeEncodeError), and leaves no file in the
     runtime directory."""
     folder = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
     os.mkdir(folder)
-    runtime = tmp_path / "run"
-    runtime.mkdir(mode=0o700)
+    runtime = runtime_base  # a socket's path takes 107 bytes at most
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), PRELOAD_LAUNCHER_MODULES="json")
     probe = "import os; print(os.fsencode(os.getcwd()))"
     ref = subprocess.run([PY, "-c", probe], cwd=folder, env=env, capture_output=True, timeout=60)
@@ -155,12 +154,11 @@ def test_one_launch(preload_launcher):
 """
 
 
-def test_a_shared_daemon_counts_only_this_sessions_steps(tmp_path):
+def test_a_shared_daemon_counts_only_this_sessions_steps(tmp_path, runtime_base):
     """A switched session served by a running daemon says how many steps it served for this
     session, not in the daemon's whole life."""
     (tmp_path / "test_one.py").write_text(ONE_LAUNCH)
-    runtime = tmp_path / "run"
-    runtime.mkdir(mode=0o700)
+    runtime = runtime_base  # a socket's path takes 107 bytes at most
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), PRELOAD_LAUNCHER_MODULES="json",
                PRELOAD_LAUNCHER="suite")
     cli = [PY, "-m", "preload_launcher.cli"]
