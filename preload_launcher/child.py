@@ -18,10 +18,13 @@ import types
 import warnings
 from typing import Optional
 
-from . import deferral, interpreter, learn, protocol, runtime, script, shadowing, stdio
+from . import deferral, interpreter, learn, module_table, protocol, runtime, script, stdio
+from .rerun import FreshRun
 from .command import PythonTarget
 
 __all__ = ["run_python_step"]
+
+_real_executable = sys.executable  # the zygote's: the interpreter a fresh run executes
 
 
 def _path0(target: PythonTarget) -> Optional[str]:
@@ -124,17 +127,29 @@ def run_target(target: PythonTarget) -> int:
         return 1
 
 
-def start_coverage_if_requested() -> None:
-    """What coverage's .pth hook does at interpreter start-up, which a forked child skips.
+def start_coverage_if_requested() -> set[str]:
+    """What coverage's .pth hook does at interpreter start-up, which a forked child skips;
+    returns the modules it imported (a fresh interpreter has them at start-up too).
 
     ``finish`` runs ``atexit``, where coverage saves this step's data."""
     if not (os.environ.get("COVERAGE_PROCESS_START") or os.environ.get("COVERAGE_PROCESS_CONFIG")):
-        return
+        return set()
+    before = set(sys.modules)
     try:
         import coverage
     except ImportError:
-        return
+        return set()
     coverage.process_startup()
+    return set(sys.modules) - before
+
+
+def start_fresh_module_table(target: PythonTarget, started: set[str]) -> None:
+    """From here on the step's ``sys.modules`` is a fresh interpreter's (``module_table``); a
+    step that changes what a preloaded module read before importing it runs fresh (``rerun``)."""
+    if faulthandler.is_enabled():  # -X faulthandler: python imports it at start-up
+        started = started | {"faulthandler"}
+    executable = target.executable or _real_executable
+    module_table.start_fresh(started, FreshRun(executable, sys.orig_argv, runtime.start_env))
 
 
 def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
@@ -145,15 +160,16 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     stdio.install_fresh_streams(
         target.unbuffered or interpreter.env_flag(os.environ, "PYTHONUNBUFFERED") > 0, os.environ)
     apply_interpreter_options(target, state.base_path)
-    shadowing.drop_shadowed(sys.path)  # the step's own modules win, as in a fresh interpreter
     deferral.replay_eager()  # with the step's sys.path, so its own modules are found
-    start_coverage_if_requested()
+    started = start_coverage_if_requested()
     sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)
     if conn_fd is not None:
         protocol.send_event(conn_fd, "exec", t=time.time())
         runtime.keep_for_exit_report(conn_fd)
-    modules_before = set(sys.modules)
+    start_fresh_module_table(target, started)
+    modules_before = module_table.known_modules()
     code = run_target(target)
+    module_table.stop_checking()
     learn.report_step_imports(modules_before, state.learn_reports_dir, state.project,
                               state.base_path)
     return runtime.finish(code)

@@ -318,7 +318,10 @@ def _result_of(zygote: ZygoteProcess, spec: StepSpec, waiter: StepWait, seconds:
     if "exit" not in events:
         raise ZygoteDied(zygote.status.get("pid"), spec.args, output)
     reason = "output held open by a daemonised grandchild" if "held_output" in events else ""
-    result = StepResult(spec.args, events["exit"]["returncode"], output, None, via="zygote",
+    via = "zygote"
+    if "fresh" in events:  # it became a fresh interpreter (rerun): as a subprocess runs it
+        via, reason = "subprocess", f"run fresh: {events['fresh']['reason']}"
+    result = StepResult(spec.args, events["exit"]["returncode"], output, None, via=via,
                         reason=reason)
     result.seconds = seconds
     if "granted" in events:  # GPU packing: the GPUs it ran on, and how long it waited

@@ -1,14 +1,16 @@
-"""Which environment variables the preload's imports read: a zygote serves only steps whose
-environment agrees with it on those (``settings.import_env_mismatch``)."""
+"""Which environment variables imports read: the preload's as a whole (a zygote serves only
+steps whose environment agrees with it on those, ``interpreter.import_env_mismatch``), and each
+module's own (``module_table``: a step that changes one before importing the module runs fresh).
+"""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import os
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
-__all__ = ["recording_env_reads"]
+__all__ = ["recording_env_reads", "reporting_reads"]
 
 
 class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
@@ -19,6 +21,7 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
     ``PYTEST_CURRENT_TEST``, would look import-relevant."""
 
     read_keys: set = set()
+    on_read: Optional[Callable[[str, Optional[str]], None]] = None  # (key, value) per read
     _scan: collections.deque = collections.deque()  # keys a scan is about to read, in order
 
     def __iter__(self):
@@ -30,19 +33,46 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
         scan = _RecordingEnviron._scan
         if scan and scan[0] == key:
             scan.popleft()
-        else:
-            scan.clear()
-            if isinstance(key, str):
-                _RecordingEnviron.read_keys.add(key)
-        return super().__getitem__(key)
+            return super().__getitem__(key)
+        scan.clear()
+        try:
+            value = super().__getitem__(key)
+        except KeyError:
+            value = None
+        if isinstance(key, str):
+            _RecordingEnviron.read_keys.add(key)
+            if _RecordingEnviron.on_read is not None:
+                _RecordingEnviron.on_read(key, value)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+
+@contextlib.contextmanager
+def _recording_environ() -> Iterator[None]:
+    """``os.environ`` records reads inside (nested uses keep the outermost's)."""
+    original = os.environ.__class__
+    os.environ.__class__ = _RecordingEnviron
+    try:
+        yield
+    finally:
+        os.environ.__class__ = original
 
 
 @contextlib.contextmanager
 def recording_env_reads() -> Iterator[set]:
-    original = os.environ.__class__
     _RecordingEnviron.read_keys = set()
-    os.environ.__class__ = _RecordingEnviron
-    try:
+    with _recording_environ():
         yield _RecordingEnviron.read_keys
+
+
+@contextlib.contextmanager
+def reporting_reads(on_read: Callable[[str, Optional[str]], None]) -> Iterator[None]:
+    """Call ``on_read(key, value)`` for each variable read one by one inside."""
+    previous = _RecordingEnviron.on_read
+    _RecordingEnviron.on_read = on_read
+    try:
+        with _recording_environ():
+            yield
     finally:
-        os.environ.__class__ = original
+        _RecordingEnviron.on_read = previous

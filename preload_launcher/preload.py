@@ -23,7 +23,7 @@ import sys
 import weakref
 from typing import Callable, Optional
 
-from . import interpreter, learn, threads
+from . import interpreter, learn, module_table, threads
 from .crashes import CrashGuard, collect_crashes
 from .cuda import PRELOAD_ENV, DriverProbe, nvml_device_count
 from .culprits import EntryReport, is_dirty, verdict_for, verdict_key
@@ -121,7 +121,7 @@ class Preloader:
         """Preload; raises ``Quarantined`` when an entry must go. Records which variables the
         imports read (a zygote serves only steps that agree on them) and which they set."""
         start_env = self.start_env = dict(os.environ)
-        with threads.preload_limits(), recording_env_reads() as keys:
+        with threads.preload_limits(), recording_env_reads() as keys, module_table.recording():
             guard = CrashGuard(self.config.cache_dir, self.cache.fingerprint, known=self.scouted)
             report = preload(self.config.modules, self.probe, self.skip, self.blocker,
                              self.should_scout, self.log, guard)
@@ -213,7 +213,8 @@ class Preloader:
         modules = [m for m in self.profile.to_preload(exclude=exclude)
                    if top_level(m) not in self.refused | self.blocker.packages]
         budget = self.config.learn_budget_s - self.learn_spent_s
-        summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker)
+        with module_table.recording():
+            summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker)
         self.profile.leave_to_steps(summary["guards_deferred"])  # not tried again later
         failed = summary.pop("failed_modules")
         for module in failed:  # what the zygote cannot import goes

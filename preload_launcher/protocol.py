@@ -19,6 +19,7 @@ Events are JSON lines, read by one ``EventReader`` per connection:
     error     type, errno, strerror, filename   set-up failed before user code (cwd, stdio)
     fallback  reason, retire, retry   the zygote cannot serve this step: run it as a process
               (import_env, set_while_importing: the zygote's, grown since the caller asked)
+    fresh     reason       the step runs on as a fresh interpreter (``rerun``)
     exit      returncode   the step ended (reported by the step itself, and again by its reaper)
     status    (the zygote's status)   answer to op "status"
     stopping  pid          answer to op "stop"
@@ -47,7 +48,7 @@ FIRST_SEND = 65536
 OPS = {"step": ("spec",), "status": (), "stop": (), "signal": ("signum",)}
 EVENTS = {"started": ("pid",), "exec": ("t",),
           "error": ("type", "errno", "strerror", "filename"),
-          "fallback": ("reason",), "exit": ("returncode",),
+          "fallback": ("reason",), "fresh": ("reason",), "exit": ("returncode",),
           "stopped": ("signum", "relayed"), "status": ("pid",),
           "stopping": ("pid",), "refused": ("reason",), "granted": ("gpus", "waited_s")}
 

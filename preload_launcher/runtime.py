@@ -29,6 +29,7 @@ from .program_exit import exit_status_of
 from .settings import Settings
 
 __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
+           "become_fresh",
            "exit_with", "exit_status_of", "die_with_parent", "close_fds", "forked_by"]
 
 PR_SET_PDEATHSIG = 1
@@ -41,6 +42,9 @@ _report_identity = (0, 0)  # its (st_dev, st_ino): the program may have replaced
 # The socket of the zygote that forked this process ("" in the zygote, and in a process no
 # zygote forked): a pytest forked from a daemon runs its steps from that same daemon.
 forked_by = ""
+# The environment the step was started with, as its caller gave it (``rerun`` starts a fresh
+# interpreter with it).
+start_env: dict[str, str] = {}
 
 
 @dataclass
@@ -161,6 +165,19 @@ def report_exit(code: int) -> None:
     close_step_output(keep=fd)
     protocol.send_event(fd, "exit", returncode=code)
     os.close(fd)
+
+
+def become_fresh(executable: str, argv: list[str], env: dict[str, str], reason: str) -> NoReturn:
+    """Become a fresh interpreter (``rerun``): say so to whoever waits for the exit report,
+    then ``execve``. The report fd closes on exec; the reaper reports the exit."""
+    global _report_fd
+    if _report_fd is not None and os.getpid() == _report_pid:
+        fd, _report_fd = _report_fd, None
+        try:
+            protocol.send_event(fd, "fresh", reason=reason)
+        except OSError:
+            pass
+    os.execve(executable, argv, env)
 
 
 def close_step_output(keep: int) -> None:
@@ -288,7 +305,7 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     """Everything between fork and user code, for a step and for each rank alike: signals,
     fds, environment, locale, cwd, random seeds. Raises OSError for cwd and stdio problems.
     Returns the LC_CTYPE locale the environment selects (before PEP 538's coercion)."""
-    global forked_by
+    global forked_by, start_env
     die_with_parent()
     forked_by = state.socket_path
     # The zygote's objects made since its image was frozen join it: a collection in the step
@@ -304,6 +321,7 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
         close_unpassed_stdio(spec.fd_targets)
     else:  # stdin, then one output for stdout and stderr (interleaved, as with stderr=STDOUT)
         attach_fds([fds[0], fds[1], fds[1]], [0, 1, 2])
+    start_env = dict(spec.env)
     os.environ.clear()
     os.environ.update(spec.env)
     for key, value in state.env_set_by_preload.items():

@@ -47,7 +47,8 @@ def gpu_count() -> int:
 def workloads(gpus: int) -> list[tuple[str, list[str]]]:
     step = lambda name: os.path.join(STEPS, name)  # noqa: E731
     tests = os.path.join(os.path.dirname(HERE), "tests", "programs")
-    work = [("import torch + matmul (1 rank)", [PY, step("torch_step.py")]),
+    work = [("empty step (python -c pass)", [PY, "-c", "pass"]),
+            ("import torch + matmul (1 rank)", [PY, step("torch_step.py")]),
             ("import torch+megatron.core+modelopt.torch (1 rank)", [PY, step("stack_step.py")])]
     if gpus:
         work.append(("megatron-core GPT fwd+bwd (1 GPU)",

@@ -77,9 +77,9 @@ def run_call(how: str, code: str) -> str:
 @pytest.mark.parametrize("method", ["signal", "thread"])
 def test_pytest_timeout_leaves_no_step_behind(pytester, tmp_path, method, how):
     pidfile = tmp_path / "step.pid"
-    # The program notes its pid and whether the zygote's preload (json) was there already.
+    # The program notes its pid and whether it was forked from the zygote.
     call = run_call(how, f"import os, sys, time; open({str(pidfile)!r}, 'w').write("
-                         "'%d %s' % (os.getpid(), 'json' in sys.modules)); time.sleep(600)")
+                         "'%d %s' % (os.getpid(), 'module_table' in repr(sys.meta_path))); time.sleep(600)")
     pytester.makepyfile(test_hang=f"""
         import os, sys
         import preload_launcher

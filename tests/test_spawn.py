@@ -26,7 +26,7 @@ def test_spawned_process_is_forked_by_the_zygote(torch_launcher, tmp_path):
         import multiprocessing as mp, sys
 
         def child(q):
-            q.put(("torch" in sys.modules, sys.executable, sys.argv[0]))
+            q.put(("module_table" in repr(sys.meta_path), sys.executable, sys.argv[0]))
 
         if __name__ == "__main__":
             ctx = mp.get_context("spawn")
@@ -103,7 +103,7 @@ def test_switched_off_spawn_runs_the_real_interpreter(torch_launcher, tmp_path, 
         import multiprocessing as mp, sys
 
         def child(q):
-            q.put("torch" in sys.modules)
+            q.put("module_table" in repr(sys.meta_path))
 
         if __name__ == "__main__":
             ctx = mp.get_context("spawn")
@@ -152,7 +152,7 @@ def test_forkserver_server_is_forked_by_the_zygote(torch_launcher, tmp_path):
         import multiprocessing as mp, sys
 
         def child(q):
-            q.put("torch" in sys.modules)
+            q.put("module_table" in repr(sys.meta_path))
 
         if __name__ == "__main__":
             ctx = mp.get_context("forkserver")

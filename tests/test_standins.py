@@ -23,7 +23,7 @@ VARYING = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 PROGRAM = textwrap.dedent("""\
     import os, sys
     with open(os.environ["MARKS"], "a") as f:
-        f.write("%s %s\\n" % (os.path.basename(sys.argv[0]) or "-m", "torch" in sys.modules))
+        f.write("%s %s\\n" % (os.path.basename(sys.argv[0]) or "-m", "module_table" in repr(sys.meta_path)))
     print("argv", sys.argv, "executable", sys.executable, flush=True)
     print("PATH", os.environ["PATH"], flush=True)
     sys.exit(int(os.environ.get("CODE", "0")))
@@ -31,7 +31,7 @@ PROGRAM = textwrap.dedent("""\
 RANK = textwrap.dedent("""\
     import os, sys
     with open(os.environ["MARKS"], "a") as f:
-        f.write("rank%s %s\\n" % (os.environ["RANK"], "torch" in sys.modules))
+        f.write("rank%s %s\\n" % (os.environ["RANK"], "module_table" in repr(sys.meta_path)))
     if os.environ["RANK"] == "0":
         print("rank 0 of", os.environ["WORLD_SIZE"], sys.argv[1:], flush=True)
     """)

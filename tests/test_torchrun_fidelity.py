@@ -23,7 +23,7 @@ TORCHRUN = os.path.join(BIN, "torchrun")
 # was started; on a signal it says which, once, and ends after a moment.
 SLEEPER = textwrap.dedent("""\
     import os, signal, sys, time
-    preloaded = "torch" in sys.modules
+    preloaded = 'module_table' in repr(sys.meta_path)  # forked
     rank = os.environ["LOCAL_RANK"]
     def say(text):
         os.write(1, f"rank {rank} {text}\\n".encode())
@@ -324,7 +324,7 @@ def test_a_launch_leaves_no_temporary_folder(torch_launcher, tmp_path):
 GROUPS_SCRIPT = textwrap.dedent("""\
     rm -f child.txt
     python -c "import subprocess, sys; print(subprocess.Popen(['sleep', '31.5']).pid)
-    with open('marks', 'a') as f: f.write(f'bg {\\"torch\\" in sys.modules}\\n')" > bg.txt
+    with open('marks', 'a') as f: f.write(f'bg {\\"module_table\\" in repr(sys.meta_path)}\\n')" > bg.txt
     for i in $(seq 30); do kill -0 $(cat bg.txt) 2>/dev/null || break; sleep 0.1; done
     if kill -0 $(cat bg.txt) 2>/dev/null; then echo "background child lives on"; kill $(cat bg.txt); fi
     python parent.py > parent.txt &
@@ -340,7 +340,7 @@ PARENT = textwrap.dedent("""\
     import os, signal, subprocess, sys, time
     CHILD = %r
     with open("marks", "a") as f:
-        f.write(f"parent {'torch' in sys.modules}\\n")
+        f.write(f"parent {'module_table' in repr(sys.meta_path)}\\n")
     child = subprocess.Popen([sys.executable, "-c", CHILD])
     def stop(*_):
         time.sleep(0.5)  # time enough for the child to note a SIGTERM it got too

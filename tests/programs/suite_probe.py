@@ -11,8 +11,8 @@ seen = {
     "launcher_env": sorted(k for k in os.environ if "PRELOAD_LAUNCHER" in k
                            and k not in ("PRELOAD_LAUNCHER", "PRELOAD_LAUNCHER_MODULES")),
     "stdin": sys.stdin.read() if not sys.stdin.isatty() else None,
-    # Forked from the zygote: the module it preloads (and nothing here imports) is loaded.
-    "forked": "colorsys" in sys.modules,
+    # Forked from the zygote: its module table finder is on sys.meta_path.
+    "forked": "module_table" in repr(sys.meta_path),
 }
 os.write(1, (json.dumps(seen) + "\n").encode())
 sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)

@@ -1,0 +1,229 @@
+"""A step's module table starts as a fresh interpreter's; a preloaded module joins it when the
+step imports it, as configured as a fresh import would configure it now, or the step runs fresh.
+
+In the zygote (``recording``): each import the preload and the learning make is recorded as an
+edge from the module being imported (the innermost module top level running) to what it
+imports, names already loaded included, and each environment variable a module's import reads
+is recorded against that module with the value it saw.
+
+In a step (``start_fresh``): every module a fresh interpreter lacks at start-up leaves
+``sys.modules`` for a stash, and a finder first on ``sys.meta_path`` hands a stashed module back
+when the step imports it, with its closure: what its import imported in the zygote, so
+``sys.modules`` after ``import transformers`` holds what a fresh ``import transformers`` leaves
+(``importlib.util.find_spec`` finds it, and hands nothing back). Before handing back:
+
+- the step's own modules win: a top-level name the step's own path entries provide another
+  file for is not handed back, and the step's import finds its file (``shadowing``);
+- the closure's import-time environment is checked: a variable one of its modules read at
+  import that the step has changed since it started (``os.environ["HF_HUB_OFFLINE"] = "1"``
+  before ``import transformers``) means the zygote's modules were configured otherwise than a
+  fresh import would configure them now, and ``on_changed`` decides (``rerun``: run the step
+  as a fresh interpreter, or fail loudly).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Callable, Iterator, Optional
+
+from . import envreads, shadowing
+from .settings import THREAD_ENV
+
+__all__ = ["recording", "start_fresh", "stop_checking", "known_modules", "reads_of"]
+
+# What native code reads at load, invisible to ``os.environ``'s recorder: the OpenMP and MKL
+# runtimes torch's extension loads size their pools from these (``threads``).
+NATIVE_READS = {"torch._C": THREAD_ENV}
+
+_edges: dict[str, set[str]] = {}  # importer -> what its import imported
+_reads: dict[str, dict[str, Optional[str]]] = {}  # module -> {variable: value its import saw}
+_recording = False
+_original_import = builtins.__import__
+
+
+def _importing(frame) -> Optional[str]:
+    """The module whose top level runs at ``frame`` or below it (being imported), if any."""
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__")
+            if name in sys.modules and name != "__main__":
+                return name
+        frame = frame.f_back
+    return None
+
+
+def _recording_import(name, globals=None, locals=None, fromlist=(), level=0):
+    module = _original_import(name, globals, locals, fromlist, level)
+    if _recording:
+        importer = _importing(sys._getframe(1))
+        if importer is not None:
+            base = getattr(module, "__name__", None)
+            if fromlist:
+                names = [base, *(f"{base}.{f}" for f in fromlist if f != "*")]
+            else:
+                names = [name if level == 0 else base]
+            _edges.setdefault(importer, set()).update(
+                n for n in names if n != importer and n in sys.modules)
+    return module
+
+
+class _LoadWatcher(importlib.abc.MetaPathFinder):
+    """While recording: a module loaded by other means than an import statement
+    (``importlib.import_module``, a parent package, a submodule named in a ``from`` list)."""
+
+    def find_spec(self, name, path=None, target=None):
+        importer = _importing(sys._getframe(1))
+        if importer is not None and importer != name:
+            _edges.setdefault(importer, set()).add(name)
+        return None
+
+
+def _on_env_read(key: str, value: Optional[str]) -> None:
+    module = _importing(sys._getframe(2))
+    if module is not None:
+        _reads.setdefault(module, {}).setdefault(key, value)
+
+
+def _derive_edges() -> None:
+    """Modules imported before any recording (the launcher's own and the standard library
+    modules it uses) get the edges their globals show: the modules bound there, and those
+    that the functions and classes bound there come from."""
+    for name, module in list(sys.modules.items()):
+        if name in _edges or name in shadowing.startup_modules or module is None:
+            continue
+        found = set()
+        for value in list(getattr(module, "__dict__", {}).values()):
+            other = getattr(value, "__name__", None) if isinstance(value, type(sys)) else \
+                getattr(value, "__module__", None)
+            if isinstance(other, str) and other != name and other in sys.modules:
+                found.add(other)
+        _edges[name] = found
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    """Record the imports made inside (and what environment each module's import read)."""
+    global _recording
+    _derive_edges()
+    watcher = _LoadWatcher()
+    sys.meta_path.insert(0, watcher)
+    builtins.__import__ = _recording_import
+    _recording = True
+    try:
+        with envreads.reporting_reads(_on_env_read):
+            yield
+    finally:
+        _recording = False
+        builtins.__import__ = _original_import
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not watcher]
+
+
+def reads_of(name: str) -> dict[str, Optional[str]]:
+    """The variables ``name``'s own import read, and their values (the recording's)."""
+    native = {key: None for key in NATIVE_READS.get(name, ())}
+    return {**native, **_reads.get(name, {})}
+
+
+# ---------------------------------------------------------------- in a step
+
+_NOT_THERE = object()
+
+
+class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The step's finder for stashed modules; also their loader, which loads nothing."""
+
+    def __init__(self, stash: dict, start_env: dict[str, str],
+                 on_changed: Callable[[dict[str, str]], None]) -> None:
+        self.stash = stash
+        self.tops = {n: m for n, m in stash.items() if "." not in n}  # the zygote's own
+        self.order = {name: i for i, name in enumerate(stash)}  # the zygote's import order
+        self.start_env = start_env
+        self.on_changed = on_changed  # {variable: module that read it} -> returns or ends
+        self.checking = True
+
+    def find_spec(self, name, path=None, target=None):
+        module = self.stash.get(name, _NOT_THERE)
+        if module is _NOT_THERE or module is None or self.shadowed(name):
+            return None
+        original = getattr(module, "__spec__", None)
+        spec = importlib.machinery.ModuleSpec(
+            name, self, origin=getattr(original, "origin", None), loader_state=original,
+            is_package=hasattr(module, "__path__"))
+        if original is not None:  # what find_spec shows is the module's own
+            spec.submodule_search_locations = original.submodule_search_locations
+            spec.cached = original.cached
+            spec.has_location = original.has_location
+        return spec
+
+    def create_module(self, spec):
+        return self.hand_back(spec.name)
+
+    def exec_module(self, module) -> None:
+        module.__spec__ = module.__spec__.loader_state  # as the zygote's import left it
+
+    def shadowed(self, name: str) -> bool:
+        top = name.partition(".")[0]
+        module = self.tops.get(top)
+        return module is not None and shadowing.shadows(top, module, sys.path)
+
+    def closure(self, name: str) -> list[str]:
+        """``name``, its parents and what their imports imported, still stashed and not the
+        step's own, in the zygote's order."""
+        found, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current in found or current not in self.stash or self.shadowed(current):
+                continue
+            found.add(current)
+            todo.extend(_edges.get(current, ()))
+            parent = current.rpartition(".")[0]
+            if parent:
+                todo.append(parent)
+        return sorted(found, key=self.order.__getitem__)
+
+    def hand_back(self, name: str):
+        names = self.closure(name)
+        if self.checking:
+            changed = {}
+            for member in names:
+                for key in reads_of(member):
+                    if os.environ.get(key) != self.start_env.get(key):
+                        changed.setdefault(key, member)
+            if changed:
+                self.on_changed(changed)
+        for member in names:
+            sys.modules[member] = self.stash.pop(member)
+        return sys.modules[name]
+
+
+_restorer: Optional[_Restorer] = None
+
+
+def start_fresh(keep: set, on_changed: Callable[[dict[str, str]], None]) -> None:
+    """Stash every module a fresh interpreter would not have now (all but ``keep`` and the
+    start-up modules); the step's imports take them back. ``on_changed``: called with
+    ``{variable: module}`` when a closure's import-time environment changed since now."""
+    global _restorer
+    keep = keep | shadowing.startup_modules | {"__main__"}
+    modules = sys.modules
+    stash = {name: module for name, module in modules.items() if name not in keep}
+    for name in stash:
+        del modules[name]
+    _restorer = _Restorer(stash, dict(os.environ), on_changed)
+    sys.meta_path.insert(0, _restorer)
+
+
+def stop_checking() -> None:
+    """The step's code is done: what the launcher imports at exit is not the step's."""
+    if _restorer is not None:
+        _restorer.checking = False
+
+
+def known_modules() -> set[str]:
+    """The modules in ``sys.modules`` and those still stashed."""
+    return set(sys.modules) | (set(_restorer.stash) if _restorer is not None else set())

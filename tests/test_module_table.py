@@ -1,0 +1,155 @@
+"""A step's module table is a fresh interpreter's, and a variable a program sets before importing
+a preloaded module is read as a fresh import reads it: the step runs on as a fresh interpreter,
+or, where its output has begun, fails with one line. Each program runs plainly and through the
+launcher: ``run()``, the CLI, the suite switch and torchrun's ranks, and the outputs are compared."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from preload_launcher import Launcher
+
+from conftest import PY, plain
+
+# What a lazy-import test checks, and what importing a preloaded module leaves.
+TABLE = textwrap.dedent("""\
+    import importlib.util, sys
+    import mypkg
+    print(sorted(m for m in ("json", "json.decoder", "logging") if m in sys.modules))
+    print(importlib.util.find_spec("logging").origin, "logging" in sys.modules)
+    import json
+    print(sorted(m for m in sys.modules if m.partition(".")[0] == "json"))
+    """)
+
+# A script that configures a library before importing it, as example scripts do.
+HUB = textwrap.dedent("""\
+    import os, sys
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_HOME"] = os.path.join(os.getcwd(), "hf-home")
+    print("configured")
+    import huggingface_hub.constants as constants
+    print(constants.HF_HUB_OFFLINE, constants.HF_HOME == os.environ["HF_HOME"])
+    """)
+
+TORCH = textwrap.dedent("""\
+    import os
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PYTORCH_JIT"] = "0"
+    import torch
+    line = f"{os.environ.get('RANK', '-')} {torch.get_num_threads()} {torch.jit._state._enabled.enabled}"
+    os.write(1, (line + "\\n").encode())
+    """)
+
+
+@pytest.fixture
+def scripts(tmp_path):
+    (tmp_path / "mypkg.py").write_text("VALUE = 1\n")
+    for name, text in (("table.py", TABLE), ("hub.py", HUB), ("torch_env.py", TORCH)):
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def hub_launcher():
+    pytest.importorskip("huggingface_hub")
+    launcher = Launcher(["huggingface_hub.constants"])
+    yield launcher
+    launcher.close()
+
+
+def fresh_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PYTHONUNBUFFERED"))}
+    env.pop("OMP_NUM_THREADS", None)
+    return dict(env, **extra)
+
+
+def test_a_step_starts_with_a_fresh_interpreters_module_table(light, scripts):
+    args = [PY, "table.py"]
+    ours = light.run(args, cwd=scripts, env=fresh_env())
+    assert ours.via == "zygote", ours.reason
+    assert ours.stdout == plain(args, cwd=scripts, env=fresh_env()).stdout
+    assert ours.stdout.startswith("[]\n")
+
+
+def test_a_variable_set_before_the_import_is_read_as_fresh(hub_launcher, scripts):
+    args = [PY, "hub.py"]
+    ours = hub_launcher.run(args, cwd=scripts, env=fresh_env())
+    assert ours.stdout == plain(args, cwd=scripts, env=fresh_env()).stdout == "configured\nTrue True\n"
+    assert ours.via == "subprocess"
+    assert ours.reason.startswith("run fresh: it set HF_") and "huggingface_hub.constants" in ours.reason
+
+
+def test_a_step_that_changes_nothing_a_module_read_stays_forked(hub_launcher, scripts):
+    (scripts / "other.py").write_text(HUB.replace('os.environ["HF_', 'os.environ["NOT_HF_'))
+    ours = hub_launcher.run([PY, "other.py"], cwd=scripts, env=fresh_env())
+    assert ours.via == "zygote", ours.reason
+    assert ours.stdout == plain([PY, "other.py"], cwd=scripts, env=fresh_env()).stdout
+
+
+def test_output_before_the_change_fails_with_one_line_naming_it(hub_launcher, scripts):
+    args = [PY, "-u", "hub.py"]  # "configured" is written before the import
+    ours = hub_launcher.run(args, cwd=scripts, env=fresh_env())
+    assert plain(args, cwd=scripts, env=fresh_env()).stdout == "configured\nTrue True\n"
+    first, message = ours.stdout.splitlines()
+    assert (ours.returncode, first) == (1, "configured")
+    assert message.startswith("preload_launcher: this step cannot go on: it set HF_")
+    assert "huggingface_hub.constants" in message and "it had written output" in message
+
+
+def test_torch_configured_before_its_import_through_run(torch_launcher, scripts):
+    args = [PY, "torch_env.py"]
+    ours = torch_launcher.run(args, cwd=scripts, env=fresh_env())
+    assert ours.stdout == plain(args, cwd=scripts, env=fresh_env()).stdout == "- 1 False\n"
+    assert ours.via == "subprocess" and "torch" in ours.reason
+
+
+def test_torch_configured_before_its_import_in_torchrun_ranks(torch_launcher, scripts):
+    args = ["torchrun", "--nproc-per-node=2", "torch_env.py"]
+    env = fresh_env(OMP_NUM_THREADS="2")  # torchrun would set 1 for two ranks
+    ours = torch_launcher.run(args, cwd=scripts, env=env)
+    theirs = plain(args, cwd=scripts, env=env)
+    assert ours.returncode == theirs.returncode == 0, ours.stdout
+    assert sorted(ours.stdout.splitlines()) == sorted(theirs.stdout.splitlines()) == [
+        "0 1 False", "1 1 False"]
+
+
+def test_through_the_cli(scripts, tmp_path):
+    env = fresh_env(PRELOAD_LAUNCHER_MODULES="huggingface_hub.constants,json",
+                    XDG_RUNTIME_DIR=str(tmp_path))
+    for script, via in (("hub.py", "via subprocess (run fresh: it set HF_"),
+                        ("table.py", "via zygote")):
+        ours = subprocess.run([PY, "-m", "preload_launcher.cli", "run", "-v", "--no-daemon", "--",
+                               PY, script], cwd=scripts, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert ours.stdout == plain([PY, script], cwd=scripts, env=env).stdout
+        assert via in ours.stderr, ours.stderr
+
+
+SWITCHED = textwrap.dedent("""\
+    import os, subprocess, sys
+
+    def test_programs():
+        with open(os.environ["RESULTS"], "w") as out:
+            for name in ("hub.py", "table.py"):
+                done = subprocess.run([sys.executable, name], capture_output=True, text=True)
+                out.write(done.stdout)
+    """)
+
+
+def test_under_the_suite_switch(scripts, tmp_path):
+    (scripts / "test_switched.py").write_text(SWITCHED)
+    seen = {}
+    for mode in ("0", "suite"):
+        env = fresh_env(PRELOAD_LAUNCHER=mode, RESULTS=str(tmp_path / f"results-{mode}"),
+                        PRELOAD_LAUNCHER_MODULES="huggingface_hub.constants,json")
+        done = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "test_switched.py"], cwd=scripts, env=env, capture_output=True,
+                              text=True, timeout=600, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stdout + done.stderr
+        seen[mode] = (tmp_path / f"results-{mode}").read_text(), done.stdout
+    assert seen["suite"][0] == seen["0"][0]
+    assert seen["0"][0].startswith("configured\nTrue True\n[]\n")
+    assert "stand-ins had the zygote fork 2 interpreters" in seen["suite"][1]
