@@ -143,13 +143,33 @@ def start_coverage_if_requested() -> set[str]:
     return set(sys.modules) - before
 
 
+def only_a_fresh_start_applies(target: PythonTarget) -> str:
+    """Settings python takes while it starts that a forked step cannot take on ('' = none):
+    import-time profiling prints every import, the preloaded ones too; another bytecode cache
+    folder than the zygote's holds what the preloaded modules' imports cache."""
+    xoptions = dict(o.partition("=")[::2] for o in target.xoptions)
+    if "importtime" in xoptions or os.environ.get("PYTHONPROFILEIMPORTTIME"):
+        return "import-time profiling (-X importtime, PYTHONPROFILEIMPORTTIME) profiles every import"
+    prefix = xoptions.get("pycache_prefix") or os.environ.get("PYTHONPYCACHEPREFIX") or None
+    if prefix is not None:
+        prefix = os.path.abspath(prefix)
+    if prefix != sys.pycache_prefix:
+        return f"its bytecode cache folder ({prefix}) is not the zygote's ({sys.pycache_prefix})"
+    return ""
+
+
 def start_fresh_module_table(target: PythonTarget, started: set[str]) -> None:
     """From here on the step's ``sys.modules`` is a fresh interpreter's (``module_table``); a
-    step that changes what a preloaded module read before importing it runs fresh (``rerun``)."""
+    step that changes what a preloaded module read before importing it runs fresh (``rerun``),
+    and so does one that asks for what only a fresh start applies."""
     if faulthandler.is_enabled():  # -X faulthandler: python imports it at start-up
         started = started | {"faulthandler"}
     executable = target.executable or _real_executable
-    module_table.start_fresh(started, FreshRun(executable, sys.orig_argv, runtime.start_env))
+    fresh = FreshRun(executable, sys.orig_argv, runtime.start_env)
+    reason = only_a_fresh_start_applies(target)
+    if reason:
+        runtime.become_fresh(executable, sys.orig_argv, runtime.start_env, reason)
+    module_table.start_fresh(started, fresh)
 
 
 def run_python_step(target: PythonTarget, state: runtime.ZygoteState,

@@ -32,13 +32,16 @@ import sys
 from typing import Callable, Iterator, Optional
 
 from . import envreads, shadowing
-from .settings import THREAD_ENV
+from .interpreter import env_value
+from .settings import NATIVE_ENV, THREAD_ENV
 
 __all__ = ["recording", "start_fresh", "stop_checking", "known_modules", "reads_of"]
 
-# What native code reads at load, invisible to ``os.environ``'s recorder: the OpenMP and MKL
-# runtimes torch's extension loads size their pools from these (``threads``).
-NATIVE_READS = {"torch._C": THREAD_ENV}
+# What native code reads when the extensions that load it are imported, invisible to
+# ``os.environ``'s recorder (``settings.NATIVE_ENV``: families ``X*``; thread counts): torch's
+# and numpy's, with the OpenMP, MKL, oneDNN and OpenBLAS runtimes they bring.
+NATIVE_READS = {name: THREAD_ENV + NATIVE_ENV for name in (
+    "torch._C", "numpy._core._multiarray_umath", "numpy.core._multiarray_umath")}
 
 _edges: dict[str, set[str]] = {}  # importer -> what its import imported
 _reads: dict[str, dict[str, Optional[str]]] = {}  # module -> {variable: value its import saw}
@@ -124,7 +127,8 @@ def recording() -> Iterator[None]:
 
 
 def reads_of(name: str) -> dict[str, Optional[str]]:
-    """The variables ``name``'s own import read, and their values (the recording's)."""
+    """The variables ``name``'s own import read (a family ``X*``: all named X...), and their
+    values (the recording's; None for what native code read)."""
     native = {key: None for key in NATIVE_READS.get(name, ())}
     return {**native, **_reads.get(name, {})}
 
@@ -192,7 +196,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             changed = {}
             for member in names:
                 for key in reads_of(member):
-                    if os.environ.get(key) != self.start_env.get(key):
+                    if env_value(os.environ, key) != env_value(self.start_env, key):
                         changed.setdefault(key, member)
             if changed:
                 self.on_changed(changed)

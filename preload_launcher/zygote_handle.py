@@ -34,10 +34,12 @@ _zygote_ids = itertools.count()
 COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 
 # The zygote's command line: ``python -u -c BOOTSTRAP PKG_PARENT CONFIG_JSON``. sys.path keeps
-# what a fresh interpreter has (minus sys.path[0]), whether or not the package is installed;
+# what a fresh interpreter has (minus sys.path[0], which -P/PYTHONSAFEPATH leaves out), whether
+# or not the package is installed;
 # ``startup`` is what python imported before any code ran (shadowing).
 BOOTSTRAP = (
-    "import sys; startup = frozenset(sys.modules); base = sys.path[1:]; "
+    "import sys; startup = frozenset(sys.modules); "
+    "base = sys.path[0 if getattr(sys.flags, 'safe_path', 0) else 1:]; "
     "sys.path.insert(0, sys.argv[1]); from preload_launcher import shadowing, zygote; "
     "sys.path[:] = base; shadowing.startup_modules = startup; zygote.main(sys.argv[2], base)"
 )

@@ -153,3 +153,21 @@ def test_under_the_suite_switch(scripts, tmp_path):
     assert seen["suite"][0] == seen["0"][0]
     assert seen["0"][0].startswith("configured\nTrue True\n[]\n")
     assert "stand-ins had the zygote fork 2 interpreters" in seen["suite"][1]
+
+
+def test_start_up_settings_are_a_fresh_interpreters(light, tmp_path):
+    show_path = [PY, "-c", "import sys; print(sys.path)"]
+    env = fresh_env(PYTHONSAFEPATH="1")
+    assert light.run(show_path, env=env, cwd=tmp_path).stdout == \
+        plain(show_path, env=env, cwd=tmp_path).stdout
+    # Import-time profiling and another bytecode cache folder: only a fresh start applies them.
+    env = fresh_env(PYTHONPROFILEIMPORTTIME="1")
+    ours = light.run([PY, "-c", "import colorsys"], env=env, cwd=tmp_path)
+    assert ours.via == "subprocess" and "import-time profiling" in ours.reason
+    names = lambda out: [line.rpartition("|")[2].strip() for line in out.splitlines()]  # noqa: E731
+    assert names(ours.stdout) == names(plain([PY, "-c", "import colorsys"], env=env).stdout)
+    env = fresh_env(PYTHONPYCACHEPREFIX=str(tmp_path / "pyc"))
+    show_prefix = [PY, "-c", "import sys; print(sys.pycache_prefix)"]
+    ours = light.run(show_prefix, env=env, cwd=tmp_path)
+    assert ours.via == "subprocess" and "bytecode cache folder" in ours.reason
+    assert ours.stdout == plain(show_prefix, env=env, cwd=tmp_path).stdout
