@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional
 
@@ -120,7 +121,32 @@ def _add_profile_verbs(sub) -> None:
     profile.add_argument("--project", default=None, help=project_help)
 
 
+# Interpreter settings meant for the command, which the CLI's own interpreter would also act on:
+# stay interactive after the command (PYTHONINSPECT), print its own imports (PYTHONVERBOSE,
+# PYTHONPROFILEIMPORTTIME) or warnings (PYTHONWARNINGS, PYTHONDEVMODE), trace its own memory.
+# The command gets them; the CLI re-executes itself without them (``-E``).
+COMMANDS_ONLY = ("PYTHONINSPECT", "PYTHONVERBOSE", "PYTHONDEBUG", "PYTHONOPTIMIZE",
+                 "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONPROFILEIMPORTTIME",
+                 "PYTHONTRACEMALLOC", "PYTHONFAULTHANDLER", "PYTHONMALLOC", "PYTHONMALLOCSTATS",
+                 "PYTHONWARNDEFAULTENCODING", "PYTHONDUMPREFS", "PYTHONSHOWREFCOUNT")
+ISOLATED = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+            "from preload_launcher.cli import main; sys.exit(main())")
+
+
+def isolate_own_interpreter(argv: list[str]) -> None:
+    """Re-execute this CLI with ``-E`` where the environment holds settings for the command's
+    interpreter that this one would also take (the environment itself is passed on whole)."""
+    if sys.flags.ignore_environment or not any(os.environ.get(k) for k in COMMANDS_ONLY):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.execv(sys.executable, [sys.executable, "-E", "-c", ISOLATED, package_parent, *argv])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    if argv is None:
+        isolate_own_interpreter(sys.argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verb is None:

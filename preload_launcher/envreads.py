@@ -22,11 +22,14 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
 
     read_keys: set = set()
     on_read: Optional[Callable[[str, Optional[str]], None]] = None  # (key, value) per read
+    on_scan: Optional[Callable[[], None]] = None  # per scan of the whole environment
     _scan: collections.deque = collections.deque()  # keys a scan is about to read, in order
 
     def __iter__(self):
         keys = list(super().__iter__())
         _RecordingEnviron._scan = collections.deque(keys)
+        if _RecordingEnviron.on_scan is not None:
+            _RecordingEnviron.on_scan()
         return iter(keys)
 
     def __getitem__(self, key):
@@ -67,12 +70,14 @@ def recording_env_reads() -> Iterator[set]:
 
 
 @contextlib.contextmanager
-def reporting_reads(on_read: Callable[[str, Optional[str]], None]) -> Iterator[None]:
-    """Call ``on_read(key, value)`` for each variable read one by one inside."""
-    previous = _RecordingEnviron.on_read
-    _RecordingEnviron.on_read = on_read
+def reporting_reads(on_read: Callable[[str, Optional[str]], None],
+                    on_scan: Callable[[], None]) -> Iterator[None]:
+    """Call ``on_read(key, value)`` for each variable read one by one inside, and ``on_scan()``
+    when the whole environment is iterated."""
+    previous = _RecordingEnviron.on_read, _RecordingEnviron.on_scan
+    _RecordingEnviron.on_read, _RecordingEnviron.on_scan = on_read, on_scan
     try:
         with _recording_environ():
             yield
     finally:
-        _RecordingEnviron.on_read = previous
+        _RecordingEnviron.on_read, _RecordingEnviron.on_scan = previous

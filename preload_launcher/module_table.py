@@ -28,6 +28,7 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import os
+import re
 import sys
 from typing import Callable, Iterator, Optional
 
@@ -35,7 +36,7 @@ from . import envreads, shadowing
 from .interpreter import env_value
 from .settings import NATIVE_ENV, THREAD_ENV
 
-__all__ = ["recording", "start_fresh", "stop_checking", "known_modules", "reads_of"]
+__all__ = ["recording", "start_fresh", "stop_checking", "known_modules", "reads_of", "families"]
 
 # What native code reads when the extensions that load it are imported, invisible to
 # ``os.environ``'s recorder (``settings.NATIVE_ENV``: families ``X*``; thread counts): torch's
@@ -43,9 +44,14 @@ __all__ = ["recording", "start_fresh", "stop_checking", "known_modules", "reads_
 NATIVE_READS = {name: THREAD_ENV + NATIVE_ENV for name in (
     "torch._C", "numpy._core._multiarray_umath", "numpy.core._multiarray_umath")}
 
+_PREFIX = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)*_")  # "TQDM_", "HF_HUB_"
+# Per-test, terminal and launcher variables differ between a suite's processes for no reason
+# an import cares about (``settings``): a scan for them is not a setting the step changed.
+_NOT_FAMILIES = {"PYTEST_", "PRELOAD_LAUNCHER_", "_PRELOAD_LAUNCHER_"}
 _edges: dict[str, set[str]] = {}  # importer -> what its import imported
 _reads: dict[str, dict[str, Optional[str]]] = {}  # module -> {variable: value its import saw}
 _recording = False
+_scanning = False  # a scan the recording makes itself
 _original_import = builtins.__import__
 
 
@@ -92,6 +98,44 @@ def _on_env_read(key: str, value: Optional[str]) -> None:
         _reads.setdefault(module, {}).setdefault(key, value)
 
 
+def _on_env_scan() -> None:
+    """A scan of the whole environment at import, as ``{k[5:]: v for k, v in os.environ.items()
+    if k.startswith("TQDM_")}`` reads settings: each family ``PREFIX_*`` its code may test (the
+    upper-case text ending in ``_`` among the constants and local values on the way from the
+    importing module) counts as read, with the values it has now."""
+    global _scanning
+    if _scanning:  # our own scan, below
+        return
+    frame = sys._getframe(2)
+    prefixes: set[str] = set()
+    while frame is not None:
+        code = frame.f_code
+        prefixes.update(c for c in code.co_consts if isinstance(c, str) and _PREFIX.fullmatch(c))
+        if code.co_name == "<module>":
+            name = frame.f_globals.get("__name__")
+            if name in sys.modules and name != "__main__":
+                break
+        else:
+            prefixes.update(v for v in frame.f_locals.values()
+                            if isinstance(v, str) and _PREFIX.fullmatch(v))
+        frame = frame.f_back
+    if frame is None:
+        return
+    reads = _reads.setdefault(name, {})
+    _scanning = True
+    try:
+        environ = dict(os.environ)
+    finally:
+        _scanning = False
+    for prefix in prefixes - _NOT_FAMILIES:
+        reads.setdefault(prefix + "*", env_value(environ, prefix + "*"))
+
+
+def families() -> set[str]:
+    """The families of variables scans read while recording (``PREFIX_*``)."""
+    return {key for reads in _reads.values() for key in reads if key.endswith("*")}
+
+
 def _derive_edges() -> None:
     """Modules imported before any recording (the launcher's own and the standard library
     modules it uses) get the edges their globals show: the modules bound there, and those
@@ -118,7 +162,7 @@ def recording() -> Iterator[None]:
     builtins.__import__ = _recording_import
     _recording = True
     try:
-        with envreads.reporting_reads(_on_env_read):
+        with envreads.reporting_reads(_on_env_read, _on_env_scan):
             yield
     finally:
         _recording = False
@@ -195,8 +239,12 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if self.checking:
             changed = {}
             for member in names:
-                for key in reads_of(member):
-                    if env_value(os.environ, key) != env_value(self.start_env, key):
+                for key, seen in reads_of(member).items():
+                    now = env_value(os.environ, key)
+                    # A scanned family the zygote saw otherwise: learned after its start, no
+                    # zygote was chosen for it (``preload``), so the step's own start counts too.
+                    if now != env_value(self.start_env, key) or (
+                            key in _reads.get(member, {}) and key.endswith("*") and now != seen):
                         changed.setdefault(key, member)
             if changed:
                 self.on_changed(changed)

@@ -137,7 +137,8 @@ class Preloader:
                 report.learned = self.preload_learned()
         report.deferred = self.deferred()
         report.hints = {key: "re-verifying" for key in self.hints}
-        self.note_env_reads(report, keys | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV))
+        self.note_env_reads(report, keys | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV)
+                            | module_table.families())
         # And what sys.flags fixed at start-up from the environment (-O, dev mode, UTF-8, ...).
         report.import_env.update({interpreter.FLAG_PREFIX + k: v
                                   for k, v in interpreter.zygote_flags().items()})
@@ -243,7 +244,7 @@ class Preloader:
             try:
                 return self.learn(idle, changed=merged > 0)
             finally:
-                self.note_env_reads(report, set(keys))
+                self.note_env_reads(report, set(keys) | module_table.families())
 
 
 def freeze_image() -> None:

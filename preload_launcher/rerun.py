@@ -87,8 +87,8 @@ class FreshRun:
     def __call__(self, changed: dict[str, str]) -> NoReturn:
         (key, module), *more = changed.items()
         also = f" (and {', '.join(k for k, _ in more)})" if more else ""
-        what = (f"it set {key}{also} before importing {module}, which the zygote had imported "
-                "with the value the step started with")
+        what = (f"{key}{also} changed before the step imported {module}, which read it at "
+                "import in the zygote")
         done = self.observed()
         if not done:
             runtime.become_fresh(self.executable, self.argv, self.env, what)

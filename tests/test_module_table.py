@@ -79,7 +79,7 @@ def test_a_variable_set_before_the_import_is_read_as_fresh(hub_launcher, scripts
     ours = hub_launcher.run(args, cwd=scripts, env=fresh_env())
     assert ours.stdout == plain(args, cwd=scripts, env=fresh_env()).stdout == "configured\nTrue True\n"
     assert ours.via == "subprocess"
-    assert ours.reason.startswith("run fresh: it set HF_") and "huggingface_hub.constants" in ours.reason
+    assert ours.reason.startswith("run fresh: HF_") and "huggingface_hub.constants" in ours.reason
 
 
 def test_a_step_that_changes_nothing_a_module_read_stays_forked(hub_launcher, scripts):
@@ -95,7 +95,7 @@ def test_output_before_the_change_fails_with_one_line_naming_it(hub_launcher, sc
     assert plain(args, cwd=scripts, env=fresh_env()).stdout == "configured\nTrue True\n"
     first, message = ours.stdout.splitlines()
     assert (ours.returncode, first) == (1, "configured")
-    assert message.startswith("preload_launcher: this step cannot go on: it set HF_")
+    assert message.startswith("preload_launcher: this step cannot go on: HF_")
     assert "huggingface_hub.constants" in message and "it had written output" in message
 
 
@@ -119,7 +119,7 @@ def test_torch_configured_before_its_import_in_torchrun_ranks(torch_launcher, sc
 def test_through_the_cli(scripts, tmp_path):
     env = fresh_env(PRELOAD_LAUNCHER_MODULES="huggingface_hub.constants,json",
                     XDG_RUNTIME_DIR=str(tmp_path))
-    for script, via in (("hub.py", "via subprocess (run fresh: it set HF_"),
+    for script, via in (("hub.py", "via subprocess (run fresh: HF_"),
                         ("table.py", "via zygote")):
         ours = subprocess.run([PY, "-m", "preload_launcher.cli", "run", "-v", "--no-daemon", "--",
                                PY, script], cwd=scripts, env=env, capture_output=True, text=True,
@@ -171,3 +171,50 @@ def test_start_up_settings_are_a_fresh_interpreters(light, tmp_path):
     ours = light.run(show_prefix, env=env, cwd=tmp_path)
     assert ours.via == "subprocess" and "bytecode cache folder" in ours.reason
     assert ours.stdout == plain(show_prefix, env=env, cwd=tmp_path).stdout
+
+
+def test_the_clis_own_interpreter_leaves_python_settings_to_the_command(tmp_path):
+    """PYTHONINSPECT is the command's: the CLI's interpreter does not stay interactive after it."""
+    env = fresh_env(PRELOAD_LAUNCHER_MODULES="json", XDG_RUNTIME_DIR=str(tmp_path),
+                    PYTHONINSPECT="1")
+    code = "import colorsys; print('done')"
+    ours = subprocess.run([PY, "-m", "preload_launcher.cli", "run", "--no-daemon", "--", PY, "-c",
+                           code], env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    theirs = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL)
+    assert (ours.returncode, ours.stdout, ours.stderr) == \
+        (theirs.returncode, theirs.stdout, theirs.stderr) == (0, "done\n", "")
+
+
+TQDM = textwrap.dedent("""\
+    import os, sys
+    if sys.argv[1:] == ["set"]:
+        os.environ["TQDM_DISABLE"] = "1"
+    from tqdm import tqdm
+    print(tqdm(range(3)).disable)
+    """)
+
+
+@pytest.mark.parametrize("where", ["the step's environment", "the script"])
+def test_settings_a_library_scans_the_environment_for_are_read_as_fresh(tmp_path, where):
+    """tqdm reads its ``TQDM_*`` settings by scanning the environment at import."""
+    pytest.importorskip("tqdm")
+    (tmp_path / "bar.py").write_text(TQDM)
+    env = fresh_env(PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    args = [PY, "bar.py"]
+    if where == "the script":
+        args.append("set")
+    else:
+        env["TQDM_DISABLE"] = "1"
+    launcher = Launcher(["tqdm"])
+    try:
+        launcher.zygote_for(fresh_env())  # preloaded without the setting
+        ours = launcher.run(args, cwd=tmp_path, env=env)
+    finally:
+        launcher.close()
+    assert ours.stdout == plain(args, cwd=tmp_path, env=env).stdout == "True\n"
+    if where == "the script":
+        assert ours.via == "subprocess" and "TQDM_" in ours.reason
+    else:
+        assert ours.via == "zygote", ours.reason  # by a zygote started with it
