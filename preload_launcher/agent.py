@@ -350,6 +350,8 @@ class RankWatch:
                 if event.get("event") == "exit":
                     code = int(event["returncode"])
                     done.append((key.data, code & 0xFF if code >= 0 else code))
+                elif event.get("event") == "fresh":  # the caller hears why (rerun)
+                    runtime.tell_caller("fresh", reason=event["reason"], rank=True)
         return done
 
 

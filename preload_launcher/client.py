@@ -319,8 +319,11 @@ def _result_of(zygote: ZygoteProcess, spec: StepSpec, waiter: StepWait, seconds:
         raise ZygoteDied(zygote.status.get("pid"), spec.args, output)
     reason = "output held open by a daemonised grandchild" if "held_output" in events else ""
     via = "zygote"
-    if "fresh" in events:  # it became a fresh interpreter (rerun): as a subprocess runs it
-        via, reason = "subprocess", f"run fresh: {events['fresh']['reason']}"
+    fresh = events.get("fresh")
+    if fresh and fresh.get("rank"):  # a rank became a fresh interpreter (rerun), the launch not
+        reason = f"a rank ran fresh: {fresh['reason']}"
+    elif fresh:  # it became a fresh interpreter (rerun): as a subprocess runs it
+        via, reason = "subprocess", f"run fresh: {fresh['reason']}"
     result = StepResult(spec.args, events["exit"]["returncode"], output, None, via=via,
                         reason=reason)
     result.seconds = seconds

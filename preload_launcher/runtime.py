@@ -29,7 +29,7 @@ from .program_exit import exit_status_of
 from .settings import Settings
 
 __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
-           "become_fresh",
+           "become_fresh", "tell_caller",
            "exit_with", "exit_status_of", "die_with_parent", "close_fds", "forked_by"]
 
 PR_SET_PDEATHSIG = 1
@@ -167,16 +167,19 @@ def report_exit(code: int) -> None:
     os.close(fd)
 
 
+def tell_caller(event: str, **fields) -> None:
+    """An event for whoever waits for this process's exit report (``fresh``)."""
+    if _report_fd is not None and os.getpid() == _report_pid:
+        try:
+            protocol.send_event(_report_fd, event, **fields)
+        except OSError:
+            pass
+
+
 def become_fresh(executable: str, argv: list[str], env: dict[str, str], reason: str) -> NoReturn:
     """Become a fresh interpreter (``rerun``): say so to whoever waits for the exit report,
     then ``execve``. The report fd closes on exec; the reaper reports the exit."""
-    global _report_fd
-    if _report_fd is not None and os.getpid() == _report_pid:
-        fd, _report_fd = _report_fd, None
-        try:
-            protocol.send_event(fd, "fresh", reason=reason)
-        except OSError:
-            pass
+    tell_caller("fresh", reason=reason)
     os.execve(executable, argv, env)
 
 
