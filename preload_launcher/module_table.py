@@ -50,6 +50,7 @@ _PREFIX = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)*_")  # "TQDM_", "HF_HUB_"
 _NOT_FAMILIES = {"PYTEST_", "PRELOAD_LAUNCHER_", "_PRELOAD_LAUNCHER_"}
 _edges: dict[str, set[str]] = {}  # importer -> what its import imported
 _reads: dict[str, dict[str, Optional[str]]] = {}  # module -> {variable: value its import saw}
+_roots: set[str] = set()  # modules imported by no module: preload entries, learned modules
 _recording = False
 _scanning = False  # a scan the recording makes itself
 _original_import = builtins.__import__
@@ -87,7 +88,9 @@ class _LoadWatcher(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name, path=None, target=None):
         importer = _importing(sys._getframe(1))
-        if importer is not None and importer != name:
+        if importer is None:
+            _roots.add(name)
+        elif importer != name:
             _edges.setdefault(importer, set()).add(name)
         return None
 
@@ -168,6 +171,7 @@ def recording() -> Iterator[None]:
         _recording = False
         builtins.__import__ = _original_import
         sys.meta_path[:] = [f for f in sys.meta_path if f is not watcher]
+    _prepare()
 
 
 def reads_of(name: str) -> dict[str, Optional[str]]:
@@ -177,26 +181,61 @@ def reads_of(name: str) -> dict[str, Optional[str]]:
     return {**native, **_reads.get(name, {})}
 
 
+# ---------------------------------------------------------------- ahead of the forks
+
+_order: dict[str, int] = {}  # the zygote's import order
+_closures: dict[str, tuple[str, ...]] = {}  # a root -> its closure, in import order
+_closure_tops: dict[str, frozenset] = {}  # a root -> the top-level names in its closure
+
+
+def _walk(name: str, present) -> set[str]:
+    """``name``, its parents and what their imports imported, transitively, among ``present``."""
+    found, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in found or current not in present:
+            continue
+        found.add(current)
+        todo.extend(_edges.get(current, ()))
+        parent = current.rpartition(".")[0]
+        if parent:
+            todo.append(parent)
+    return found
+
+
+def _prepare() -> None:
+    """In the zygote, once its modules are there: the closure of each module a step imports
+    first (a top-level package; a preload entry or learned module, imported by no module), so
+    that handing it back in a step is a filter and a few dictionary stores."""
+    _order.clear()
+    _order.update((name, i) for i, name in enumerate(sys.modules))
+    _closures.clear()
+    _closure_tops.clear()
+    roots = {n for n in sys.modules if "." not in n} | (_roots & set(sys.modules))
+    for root in roots:
+        found = _walk(root, sys.modules)
+        _closures[root] = tuple(sorted(found, key=_order.__getitem__))
+        _closure_tops[root] = frozenset(n.partition(".")[0] for n in found)
+
+
 # ---------------------------------------------------------------- in a step
-
-_NOT_THERE = object()
-
 
 class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """The step's finder for stashed modules; also their loader, which loads nothing."""
 
     def __init__(self, stash: dict, start_env: dict[str, str],
                  on_changed: Callable[[dict[str, str]], None]) -> None:
-        self.stash = stash
-        self.tops = {n: m for n, m in stash.items() if "." not in n}  # the zygote's own
-        self.order = {name: i for i, name in enumerate(stash)}  # the zygote's import order
+        self.stash = stash  # what is still to hand back
+        self.zygotes = dict(stash)  # every stashed module, handed back or not
+        self.decided: dict[tuple, bool] = {}  # (top-level name, own path entries) -> shadowed
+        self.listed: dict[tuple, set[str]] = {}  # own path entries -> the names they provide
         self.start_env = start_env
         self.on_changed = on_changed  # {variable: module that read it} -> returns or ends
         self.checking = True
 
     def find_spec(self, name, path=None, target=None):
-        module = self.stash.get(name, _NOT_THERE)
-        if module is _NOT_THERE or module is None or self.shadowed(name):
+        module = self.stash.get(name)
+        if module is None or self.shadowed_tops({name.partition(".")[0]}):
             return None
         original = getattr(module, "__spec__", None)
         spec = importlib.machinery.ModuleSpec(
@@ -214,43 +253,58 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         module.__spec__ = module.__spec__.loader_state  # as the zygote's import left it
 
-    def shadowed(self, name: str) -> bool:
-        top = name.partition(".")[0]
-        module = self.tops.get(top)
-        return module is not None and shadowing.shadows(top, module, sys.path)
-
-    def closure(self, name: str) -> list[str]:
-        """``name``, its parents and what their imports imported, still stashed and not the
-        step's own, in the zygote's order."""
-        found, todo = set(), [name]
-        while todo:
-            current = todo.pop()
-            if current in found or current not in self.stash or self.shadowed(current):
-                continue
-            found.add(current)
-            todo.extend(_edges.get(current, ()))
-            parent = current.rpartition(".")[0]
-            if parent:
-                todo.append(parent)
-        return sorted(found, key=self.order.__getitem__)
+    def shadowed_tops(self, tops) -> set[str]:
+        """Those of the top-level names ``tops`` that the step's ``sys.path`` of now gives
+        another file (its entries before the standard library: ``shadowing``). Only names
+        those folders hold are asked; each once per set of entries."""
+        own = tuple(shadowing.own_path_entries(sys.path))
+        if not own:
+            return set()
+        if own not in self.listed:
+            self.listed[own] = shadowing.names_in(own)
+        shadowed = set()
+        for top in tops & self.listed[own]:
+            key = (top, own)
+            if key not in self.decided:
+                module = self.zygotes.get(top)
+                self.decided[key] = module is not None and shadowing.shadows(top, module, own)
+            if self.decided[key]:
+                shadowed.add(top)
+        return shadowed
 
     def hand_back(self, name: str):
-        names = self.closure(name)
-        if self.checking:
-            changed = {}
-            for member in names:
-                for key, seen in reads_of(member).items():
-                    now = env_value(os.environ, key)
-                    # A scanned family the zygote saw otherwise: learned after its start, no
-                    # zygote was chosen for it (``preload``), so the step's own start counts too.
-                    if now != env_value(self.start_env, key) or (
-                            key in _reads.get(member, {}) and key.endswith("*") and now != seen):
-                        changed.setdefault(key, member)
-            if changed:
-                self.on_changed(changed)
+        closure = _closures.get(name)
+        if closure is None:  # not a root: walked now
+            found = _walk(name, self.stash)
+            closure = tuple(sorted(found, key=lambda n: _order.get(n, len(_order))))
+            tops = {n.partition(".")[0] for n in found}
+        else:
+            tops = _closure_tops[name]
+        names = [n for n in closure if n in self.stash]
+        shadowed = self.shadowed_tops(tops)
+        if shadowed:  # the step's own: not handed back, nor what only they imported
+            names = sorted(_walk(name, {n for n in names if n.partition(".")[0] not in shadowed}),
+                           key=lambda n: _order.get(n, len(_order)))
+        if self.checking and dict(os.environ) != self.start_env:
+            self.check_env(names)
         for member in names:
             sys.modules[member] = self.stash.pop(member)
         return sys.modules[name]
+
+    def check_env(self, names: list[str]) -> None:
+        """The step changed its environment: does a variable these modules read at import now
+        differ? (``on_changed`` decides what then.)"""
+        changed = {}
+        for member in names:
+            for key, seen in reads_of(member).items():
+                now = env_value(os.environ, key)
+                # A scanned family the zygote saw otherwise: learned after its start, no
+                # zygote was chosen for it (``preload``), so the step's own start counts too.
+                if now != env_value(self.start_env, key) or (
+                        key in _reads.get(member, {}) and key.endswith("*") and now != seen):
+                    changed.setdefault(key, member)
+        if changed:
+            self.on_changed(changed)
 
 
 _restorer: Optional[_Restorer] = None
@@ -262,10 +316,9 @@ def start_fresh(keep: set, on_changed: Callable[[dict[str, str]], None]) -> None
     ``{variable: module}`` when a closure's import-time environment changed since now."""
     global _restorer
     keep = keep | shadowing.startup_modules | {"__main__"}
-    modules = sys.modules
-    stash = {name: module for name, module in modules.items() if name not in keep}
-    for name in stash:
-        del modules[name]
+    stash = dict(sys.modules)
+    sys.modules.clear()
+    sys.modules.update({name: stash.pop(name) for name in keep if name in stash})
     _restorer = _Restorer(stash, dict(os.environ), on_changed)
     sys.meta_path.insert(0, _restorer)
 

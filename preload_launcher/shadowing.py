@@ -21,7 +21,7 @@ import importlib.machinery
 import os
 import sys
 
-__all__ = ["startup_modules", "shadows", "own_path_entries"]
+__all__ = ["startup_modules", "shadows", "own_path_entries", "names_in"]
 
 # Set by the zygote's bootstrap: ``sys.modules`` as python left it before the ``-c`` code ran.
 startup_modules: frozenset = frozenset()
@@ -43,7 +43,18 @@ def own_path_entries(path: list[str]) -> list[str]:
     return own
 
 
-def shadows(name: str, module, path: list[str]) -> bool:
+def names_in(own: tuple) -> set[str]:
+    """The top-level names the files and folders in ``own`` could provide."""
+    names: set[str] = set()
+    for directory in own:
+        try:
+            names.update(entry.partition(".")[0] for entry in os.listdir(directory))
+        except OSError:
+            continue
+    return names
+
+
+def shadows(name: str, module, path) -> bool:
     """Would ``path``'s own entries give the top-level module ``name`` another file than the
     preloaded ``module``'s? A folder without ``__init__`` is only a namespace portion: a module
     or package later on the path wins over it."""
@@ -52,7 +63,7 @@ def shadows(name: str, module, path: list[str]) -> bool:
     spec = getattr(module, "__spec__", None)
     if getattr(spec, "origin", None) in ("built-in", "frozen"):
         return False
-    own = own_path_entries(path)
+    own = own_path_entries(list(path))
     if not own:
         return False
     found = importlib.machinery.PathFinder.find_spec(name, own)
