@@ -26,10 +26,10 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
     _scan: collections.deque = collections.deque()  # keys a scan is about to read, in order
 
     def __iter__(self):
+        if _RecordingEnviron.on_scan is not None:  # first: it may scan the environment itself
+            _RecordingEnviron.on_scan()
         keys = list(super().__iter__())
         _RecordingEnviron._scan = collections.deque(keys)
-        if _RecordingEnviron.on_scan is not None:
-            _RecordingEnviron.on_scan()
         return iter(keys)
 
     def __getitem__(self, key):
