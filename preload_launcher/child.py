@@ -180,7 +180,9 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     stdio.install_fresh_streams(
         target.unbuffered or interpreter.env_flag(os.environ, "PYTHONUNBUFFERED") > 0, os.environ)
     apply_interpreter_options(target, state.base_path)
-    deferral.replay_eager()  # with the step's sys.path, so its own modules are found
+    before = set(sys.modules)
+    importers = deferral.replay_eager()  # with the step's sys.path, so its own modules are found
+    module_table.attach(importers, set(sys.modules) - before)  # they come back with importers
     started = start_coverage_if_requested()
     sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)
     if conn_fd is not None:

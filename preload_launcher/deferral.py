@@ -307,7 +307,9 @@ def install_for_step(deferred: dict[str, list[dict]], mode: str) -> None:
         sys.meta_path.insert(0, _ReplayOnImport(cuts))
 
 
-def replay_eager() -> None:
-    """Before an eager step's code, with its own ``sys.path``: what ``install_for_step`` kept."""
+def replay_eager() -> list[str]:
+    """Before an eager step's code, with its own ``sys.path``: what ``install_for_step`` kept.
+    Returns the importers of the replayed imports."""
     cuts, _eager[:] = list(_eager), []
     replay(cuts)
+    return [cut.importer for cut in cuts]

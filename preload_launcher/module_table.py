@@ -36,7 +36,8 @@ from . import envreads, shadowing
 from .interpreter import env_value
 from .settings import NATIVE_ENV, THREAD_ENV
 
-__all__ = ["recording", "start_fresh", "stop_checking", "known_modules", "reads_of", "families"]
+__all__ = ["recording", "start_fresh", "stop_checking", "known_modules", "reads_of", "families",
+           "attach"]
 
 # What native code reads when the extensions that load it are imported, invisible to
 # ``os.environ``'s recorder (``settings.NATIVE_ENV``: families ``X*``; thread counts): torch's
@@ -220,6 +221,16 @@ def _prepare() -> None:
 
 # ---------------------------------------------------------------- in a step
 
+_attached: dict[str, set[str]] = {}  # importer -> what a step's eager replay imported for it
+
+
+def attach(importers: list[str], names: set[str]) -> None:
+    """In a step, before ``start_fresh``: ``names`` were imported on behalf of ``importers``
+    (``deferral``'s eager replay) and come back with them."""
+    for importer in importers:
+        _attached.setdefault(importer, set()).update(names)
+
+
 class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """The step's finder for stashed modules; also their loader, which loads nothing."""
 
@@ -281,6 +292,9 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         else:
             tops = _closure_tops[name]
         names = [n for n in closure if n in self.stash]
+        if _attached:
+            names = list(dict.fromkeys(
+                names + [a for n in names for a in _attached.get(n, ()) if a in self.stash]))
         shadowed = self.shadowed_tops(tops)
         if shadowed:  # the step's own: not handed back, nor what only they imported
             names = sorted(_walk(name, {n for n in names if n.partition(".")[0] not in shadowed}),

@@ -133,6 +133,13 @@ def test_through_the_cli(scripts, tmp_path):
 SWITCHED = textwrap.dedent("""\
     import os, subprocess, sys
 
+    import pytest
+
+    @pytest.fixture(scope="session", autouse=True)
+    def preloaded(preload_launcher):  # a stand-in asks only a zygote that serves
+        if os.environ.get("PRELOAD_LAUNCHER") != "0":
+            preload_launcher.zygote_for_standins(dict(os.environ)).wait_ready()
+
     def test_programs():
         with open(os.environ["RESULTS"], "w") as out:
             for name in ("hub.py", "table.py"):
