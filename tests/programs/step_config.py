@@ -5,9 +5,9 @@ Run plainly and through the launcher with a zygote that preloads ``torch`` and
 zone, torch.distributed's debug level, torch's C++ stack traces, and the thread pools of the
 native libraries loaded (OpenMP, OpenBLAS) and torch's, none of which a preloaded import may
 leave as the zygote had them."""
-import sys
+from zygote_fork import maps
 
-preloaded = "captures_cuda" in sys.modules  # forked from the zygote that preloads it
+preloaded = maps("libtorch")  # forked from the zygote that preloads torch and captures_cuda
 
 import datetime  # noqa: E402
 import json  # noqa: E402
