@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import os
@@ -68,6 +69,7 @@ def _importing(frame) -> Optional[str]:
     return None
 
 
+@functools.wraps(_original_import)  # a module may keep it: python's own in all but identity
 def _recording_import(name, globals=None, locals=None, fromlist=(), level=0):
     module = _original_import(name, globals, locals, fromlist, level)
     if _recording:

@@ -244,3 +244,27 @@ def test_the_import_function_a_preloaded_module_kept_behaves_as_pythons(tmp_path
     ref = plain([PY, "-c", USES_IMPORT], env=env)
     assert (got.via, got.returncode, got.stdout) == ("zygote", ref.returncode, ref.stdout)
     assert ref.stdout.startswith("posixpath colorsys __import__ ")
+
+
+KEPT_AFTER_RECORDING = """
+import builtins
+from preload_launcher import module_table
+with module_table.recording():
+    kept = builtins.__import__
+edges = {k: set(v) for k, v in module_table._edges.items()}
+module_table._importing = None  # a kept function that still looked for its importer fails
+exec(compile("import colorsys; kept('wave'); kept('os.path', fromlist=['join'])",
+             "kept_user", "exec"), {"__name__": "kept_user", "kept": kept})
+print(kept is not builtins.__import__, module_table._edges == edges,
+      [getattr(kept, a) == getattr(builtins.__import__, a)
+       for a in ("__name__", "__qualname__", "__doc__", "__module__")])
+"""
+
+
+def test_the_kept_import_function_records_nothing_once_recording_ends():
+    """What a module kept while the zygote recorded imports goes straight to python's own once
+    recording is over: it looks for no importer and adds no edge."""
+    done = subprocess.run([PY, "-c", KEPT_AFTER_RECORDING], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (0, "True True [True, True, True, True]\n"), \
+        done.stderr
