@@ -118,9 +118,9 @@ def test_torch_configured_before_its_import_in_torchrun_ranks(torch_launcher, sc
     assert ours.via == "zygote" and ours.reason.startswith("a rank ran fresh: ")
 
 
-def test_through_the_cli(scripts, tmp_path):
+def test_through_the_cli(scripts, runtime_base):
     env = fresh_env(PRELOAD_LAUNCHER_MODULES="huggingface_hub.constants,json",
-                    XDG_RUNTIME_DIR=str(tmp_path))
+                    XDG_RUNTIME_DIR=str(runtime_base))
     for script, via in (("hub.py", "via subprocess (run fresh: HF_"),
                         ("table.py", "via zygote")):
         ours = subprocess.run([PY, "-m", "preload_launcher.cli", "run", "-v", "--no-daemon", "--",
@@ -182,9 +182,9 @@ def test_start_up_settings_are_a_fresh_interpreters(light, tmp_path):
     assert ours.stdout == plain(show_prefix, env=env, cwd=tmp_path).stdout
 
 
-def test_the_clis_own_interpreter_leaves_python_settings_to_the_command(tmp_path):
+def test_the_clis_own_interpreter_leaves_python_settings_to_the_command(runtime_base):
     """PYTHONINSPECT is the command's: the CLI's interpreter does not stay interactive after it."""
-    env = fresh_env(PRELOAD_LAUNCHER_MODULES="json", XDG_RUNTIME_DIR=str(tmp_path),
+    env = fresh_env(PRELOAD_LAUNCHER_MODULES="json", XDG_RUNTIME_DIR=str(runtime_base),
                     PYTHONINSPECT="1")
     code = "import colorsys; print('done')"
     ours = subprocess.run([PY, "-m", "preload_launcher.cli", "run", "--no-daemon", "--", PY, "-c",
