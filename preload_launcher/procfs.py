@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import resource
+from typing import Iterator
 
-__all__ = ["native_threads", "rss_kb", "fd_count", "open_fds", "tree_pss_kb"]
+__all__ = ["per_thread", "native_threads", "rss_kb", "fd_count", "open_fds", "tree_pss_kb"]
+
+
+def per_thread(name: str) -> Iterator[str]:
+    """The text of ``/proc/self/task/<tid>/<name>`` for each thread of this process (one that
+    ended while being read is left out)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/{name}") as f:
+                yield f.read()
+        except OSError:
+            continue
 
 
 def native_threads() -> dict[str, int]:
     """Thread names of this process (``/proc/self/task/*/comm``) with their counts."""
-    names: dict[str, int] = {}
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return names
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        names[name] = names.get(name, 0) + 1
-    return names
+    return dict(collections.Counter(comm.strip() for comm in per_thread("comm")))
 
 
 def rss_kb() -> int:

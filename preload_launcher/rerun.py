@@ -19,7 +19,7 @@ import resource
 import sys
 from typing import Callable, NoReturn, Optional
 
-from . import runtime
+from . import procfs, runtime
 
 __all__ = ["FreshRun"]
 
@@ -41,18 +41,7 @@ def _children_ran() -> int:
 
 
 def _live_children() -> bool:
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return False
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as children:
-                if children.read().strip():
-                    return True
-        except OSError:
-            continue
-    return False
+    return any(children.strip() for children in procfs.per_thread("children"))
 
 
 class FreshRun:

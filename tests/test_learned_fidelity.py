@@ -135,22 +135,24 @@ def switched_steps(root: str, env: dict, case: str, mode: str) -> tuple[list, di
             json.loads(learned.read_text()) if learned.exists() else {})
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_a_step_after_learning_is_a_fresh_interpreters_through_run(case_env, case):
+def assert_steps_as_plain(case_env: tuple, case: str, steps) -> None:
+    """The case's steps through ``steps`` (``launcher_steps``, ``cli_steps``) print what they
+    print plainly, and the zygote learned from the first."""
     root, env = case_env
-    forked, status = launcher_steps(root, env, case)
+    forked, status = steps(root, env, case)
     shutil.rmtree(os.path.join(root, "site"), ignore_errors=True)
     assert forked == plain_steps(root, env, case)
     assert_learned(case, status)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_step_after_learning_is_a_fresh_interpreters_through_run(case_env, case):
+    assert_steps_as_plain(case_env, case, launcher_steps)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_step_after_learning_is_a_fresh_interpreters_through_the_daemon(case_env, case):
-    root, env = case_env
-    forked, status = cli_steps(root, env, case)
-    shutil.rmtree(os.path.join(root, "site"), ignore_errors=True)
-    assert forked == plain_steps(root, env, case)
-    assert_learned(case, status)
+    assert_steps_as_plain(case_env, case, cli_steps)
 
 
 @pytest.mark.parametrize("case", CASES)
