@@ -1,7 +1,9 @@
 """A test process under the suite switch whose zygote's preload is held (``held_preload``
 waits for the file $HELD_FLAG): it launches an interpreter before the preload is done, then
 releases the preload, waits for it, and launches again. Prints what each launch printed and
-whether a forked child ran it (the preloaded module is in its ``sys.modules``) as JSON."""
+whether a forked child ran it as JSON: the real program's parent is this process (a stand-in
+becomes it by ``execve``), a forked child's is not. ``sys.modules`` cannot say: a forked step's
+module table starts as a fresh interpreter's."""
 import json
 import os
 import subprocess
@@ -9,7 +11,7 @@ import sys
 
 from preload_launcher import Launcher, suite_wide
 
-PROBE = "import sys; print('held_preload' in sys.modules)"
+PROBE = f"import os; print(os.getppid() != {os.getpid()})"
 launcher = Launcher(["held_preload"])
 suite_wide.install(launcher)
 try:
