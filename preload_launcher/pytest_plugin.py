@@ -140,16 +140,11 @@ def _forking_zygote(modules) -> str:
     """The socket of the zygote that forked this pytest (``preload-launcher run -- pytest``)
     when it preloads this preload set for this environment, or "": its steps are then forked
     beside this pytest instead of from a second zygote."""
-    # Every process a zygote forked has the runtime loaded; a fresh pytest need not import it.
-    runtime = sys.modules.get(f"{__package__}.runtime")
-    socket_path = getattr(runtime, "forked_by", "")
-    if not socket_path:
+    zygote = client.ZygoteProcess.parent()
+    if zygote is None:
         return ""
-    try:
-        zygote = client.ZygoteProcess.attach(socket_path)
-    except (OSError, ValueError):  # a one-off zygote that is gone, or not one of ours
-        return ""
-    return socket_path if zygote.modules == list(modules) and zygote.matches(os.environ) else ""
+    return zygote.socket_path if zygote.modules == list(modules) and zygote.matches(os.environ) \
+        else ""
 
 
 def _matching_daemon(modules) -> str:

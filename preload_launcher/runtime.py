@@ -30,7 +30,7 @@ from .settings import Settings
 
 __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
            "become_fresh", "tell_caller",
-           "exit_with", "exit_status_of", "die_with_parent", "close_fds", "forked_by"]
+           "exit_with", "exit_status_of", "die_with_parent", "close_fds"]
 
 PR_SET_PDEATHSIG = 1
 REPORT_FD_MIN = 100  # the exit report's fd sits above the fds a program usually opens
@@ -39,9 +39,6 @@ REPORT_FD_CAP = 1024  # ... at the top of the fd range, or of the first 1024 num
 _report_fd: Optional[int] = None  # where this process reports its exit code (see report_exit)
 _report_pid = 0  # the process that owns it: a fork of the step inherits the fd, not the duty
 _report_identity = (0, 0)  # its (st_dev, st_ino): the program may have replaced the fd since
-# The socket of the zygote that forked this process ("" in the zygote, and in a process no
-# zygote forked): a pytest forked from a daemon runs its steps from that same daemon.
-forked_by = ""
 # The environment the step was started with, as its caller gave it (``rerun`` starts a fresh
 # interpreter with it).
 start_env: dict[str, str] = {}
@@ -308,9 +305,8 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     """Everything between fork and user code, for a step and for each rank alike: signals,
     fds, environment, locale, cwd, random seeds. Raises OSError for cwd and stdio problems.
     Returns the LC_CTYPE locale the environment selects (before PEP 538's coercion)."""
-    global forked_by, start_env
+    global start_env
     die_with_parent()
-    forked_by = state.socket_path
     # The zygote's objects made since its image was frozen join it: a collection in the step
     # (its own, or at exit) then never writes to their pages (a copy-on-write fault each).
     gc.freeze()

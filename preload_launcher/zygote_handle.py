@@ -244,6 +244,26 @@ class ZygoteProcess:
         z._ready.set()
         return z
 
+    @classmethod
+    def parent(cls) -> Optional["ZygoteProcess"]:
+        """A handle on the zygote that forked this process (its parent), or None. Its command
+        line (``python -u -c BOOTSTRAP PKG_PARENT CONFIG``) names its socket: a fact no module
+        table hides. What the zygote's modules held does not reach a forked pytest, whose
+        assertion rewriter imports the packages of its plugins' distributions anew."""
+        ppid = os.getppid()
+        try:
+            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            return None
+        if len(argv) < 6 or argv[1:4] != [b"-u", b"-c", BOOTSTRAP.encode()]:
+            return None
+        try:
+            zygote = cls.attach(ZygoteConfig.from_json(os.fsdecode(argv[5])).socket_path)
+        except (OSError, ValueError, TypeError):  # gone, or another version's configuration
+            return None
+        return zygote if zygote.pid == ppid else None
+
     @property
     def pid(self) -> Optional[int]:
         return self.process.pid if self.process is not None else self.status.get("pid")
