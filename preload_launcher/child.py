@@ -18,7 +18,8 @@ import types
 import warnings
 from typing import Optional
 
-from . import deferral, interpreter, learn, module_table, protocol, runtime, script, stdio
+from . import (deferral, import_effects, interpreter, learn, module_table, protocol, runtime,
+               script, stdio)
 from .rerun import FreshRun
 from .command import PythonTarget
 
@@ -61,6 +62,7 @@ def apply_interpreter_options(target: PythonTarget, base_path: list[str]) -> Non
         sys.executable = target.executable
     sys.dont_write_bytecode = target.dont_write_bytecode or (
         interpreter.env_flag(os.environ, "PYTHONDONTWRITEBYTECODE") > 0)
+    import_effects.start_fresh()  # no preloaded registrations; then the step's own options
     for option in target.warnoptions:
         sys.warnoptions.append(option)
         warnings._setoption(option)  # type: ignore[attr-defined]

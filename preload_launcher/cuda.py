@@ -234,7 +234,10 @@ def cuda_safe_imports() -> Iterator[bool]:
     installed: dict[str, tuple[Callable, Callable]] = {}  # name: (torch's, its delegator)
     _depth += 1
     try:
-        if _depth == 1 and ("torch" in sys.modules or importlib.util.find_spec("torch")):
+        # NVML first: without GPUs there is nothing to answer, and torch is not imported for it
+        # (a zygote whose entries never import torch must not hold it).
+        if _depth == 1 and _nvml_physical_count()[1] and (
+                "torch" in sys.modules or importlib.util.find_spec("torch")):
             import torch.cuda
             real = {name: getattr(torch.cuda, name) for name in NVML_ANSWERED}
             _answers = _nvml_device_answers(real)

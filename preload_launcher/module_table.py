@@ -33,7 +33,7 @@ import re
 import sys
 from typing import Callable, Iterator, Optional
 
-from . import envreads, shadowing
+from . import envreads, import_effects, shadowing
 from .interpreter import env_value
 from .settings import NATIVE_ENV, THREAD_ENV
 
@@ -168,7 +168,8 @@ def recording() -> Iterator[None]:
     builtins.__import__ = _recording_import
     _recording = True
     try:
-        with envreads.reporting_reads(_on_env_read, _on_env_scan):
+        with envreads.reporting_reads(_on_env_read, _on_env_scan), \
+                import_effects.recording(_importing):
             yield
     finally:
         _recording = False
@@ -219,6 +220,7 @@ def _prepare() -> None:
         found = _walk(root, sys.modules)
         _closures[root] = tuple(sorted(found, key=_order.__getitem__))
         _closure_tops[root] = frozenset(n.partition(".")[0] for n in found)
+    import_effects.prepare()
 
 
 # ---------------------------------------------------------------- in a step
@@ -305,6 +307,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             self.check_env(names)
         for member in names:
             sys.modules[member] = self.stash.pop(member)
+        import_effects.bring_back(names)
         return sys.modules[name]
 
     def check_env(self, names: list[str]) -> None:

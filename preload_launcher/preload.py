@@ -20,7 +20,6 @@ import gc
 import logging
 import os
 import sys
-import weakref
 from typing import Callable, Optional
 
 from . import interpreter, learn, module_table, threads
@@ -249,23 +248,6 @@ class Preloader:
 
 def freeze_image() -> None:
     """Ready the preloaded image for forking: children never touch (and copy) its objects'
-    pages in GC, and inherit no exit-only finalizers."""
-    skip_exit_only_finalizers()
+    pages in GC (its objects' exit-time finalizers: ``import_effects.start_fresh``)."""
     gc.collect()
     gc.freeze()
-
-
-def skip_exit_only_finalizers() -> int:
-    """Unhook torch.library's per-library exit finalizers from ``atexit`` (children inherit this).
-
-    Each deregisters an operator library from the dying process: ~30 ms per step with torch
-    loaded and nothing a program can observe, like the module teardown ``os._exit`` skips.
-    Libraries a step creates itself keep their finalizers."""
-    skipped = 0
-    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
-        info = finalizer._registry.get(finalizer)  # type: ignore[attr-defined]
-        func = getattr(info, "func", None)
-        if getattr(func, "__module__", "") == "torch.library" and func.__name__ == "_del_library":
-            finalizer.atexit = False
-            skipped += 1
-    return skipped

@@ -455,3 +455,19 @@ def test_a_shell_steps_python_gets_the_shells_attributes(light):
     ref, got = both(light, ["bash", "-c", script], env=env)
     assert light.standin_steps() == before + 1, got.reason
     assert got.stdout == ref.stdout and "0o77" in ref.stdout and "SIGHUP" in ref.stdout
+
+
+@pytest.mark.needs_torch
+def test_a_zygote_holds_only_what_its_entries_import(tmp_path):
+    """A zygote that preloads ``json`` holds no torch, even where torch is installed: a step's
+    process has the libraries a fresh interpreter's has, not the stack's (its import-time
+    settings, exit handlers and memory)."""
+    from preload_launcher import Launcher
+    code = "print(any('libtorch' in line for line in open('/proc/self/maps')))"
+    launcher = Launcher(["json"])
+    try:
+        env = fresh_env(PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+        ref, got = both(launcher, [PY, "-c", code], env=env)
+    finally:
+        launcher.close()
+    assert (got.via, got.stdout) == ("zygote", ref.stdout) and ref.stdout == "False\n", got.reason

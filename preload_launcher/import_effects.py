@@ -1,0 +1,127 @@
+"""What a preloaded module's import registers interpreter-wide — warning filters and exit
+handlers — is a step's only once the step imports that module, as a fresh import would
+register it then.
+
+The stack registers both at import (torch: filters for numpy's size-changed messages and its
+tracer, a handful of exit handlers; megatron.core and modelopt their own). Left in place, a
+step that never imports torch would see torch's filters (and python's
+``default::DeprecationWarning:__main__`` no longer first) and run torch's exit handlers.
+
+In the zygote (``recording``): each registration a module's import makes is recorded as the call
+it was, against the module being imported, in the order made: ``warnings._add_filter`` (what
+``filterwarnings`` and ``simplefilter`` call) and ``atexit.register``. A filter set inside a
+``catch_warnings`` block goes to that block's own list (which the block discards) and is not
+recorded. In a step (``start_fresh``, before its own options apply): the filters are the
+zygote's before its preload (python's defaults and ``PYTHONWARNINGS``, on which a zygote and its
+steps agree) and the recorded exit handlers are unregistered; handing modules back
+(``bring_back``) replays their calls, in their order, after what the step has registered itself.
+
+Filters are reset only where replaying every recorded call on the zygote's starting filters
+gives the zygote's filters (no module changed ``warnings.filters`` by hand); otherwise steps
+keep the zygote's filters (a known difference).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import itertools
+import sys
+import warnings
+import weakref
+from typing import Callable, Iterator, Optional
+
+__all__ = ["recording", "prepare", "start_fresh", "bring_back"]
+
+# module -> its import's registrations: (sequence number, replay function, args, kwargs)
+_calls: dict[str, list[tuple]] = {}
+_sequence = itertools.count()
+_start_filters: Optional[list] = None  # before the first recording: python's, PYTHONWARNINGS
+_filters_replayable = False
+_exit_handlers: list[Callable] = []  # every recorded one, to unregister in a step
+_recorder: Optional[Callable] = None  # set while recording: (replay function, args, kwargs)
+
+
+def _add_filter(*item, append):
+    return warnings._add_filter(*item, append=append)  # type: ignore[attr-defined]
+
+
+@functools.wraps(atexit.register)
+def _register(func, *args, **kwargs):
+    """``atexit.register`` while the zygote imports; python's own after (a module may keep it).
+    The standard library's own registrations stay (``weakref.finalize`` registers its handler
+    once per process, whichever module makes the first finalizer)."""
+    caller = sys._getframe(1).f_globals.get("__name__") or ""
+    if _recorder is not None and caller.partition(".")[0] not in sys.stdlib_module_names:
+        _recorder(atexit.register, (func, *args), kwargs)
+        _exit_handlers.append(func)
+    return _real_register(func, *args, **kwargs)
+
+
+_real_register = atexit.register
+
+
+@contextlib.contextmanager
+def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
+    """Record the registrations made inside against ``importing(frame)``, the module being
+    imported (``module_table``)."""
+    global _start_filters, _recorder
+    if _start_filters is None:
+        _start_filters = list(warnings.filters)
+    watched = warnings.filters  # a catch_warnings block swaps in a copy of its own
+    add = warnings._add_filter  # type: ignore[attr-defined]
+
+    def record(replay: Callable, args: tuple, kwargs: dict) -> None:
+        module = importing(sys._getframe(2))
+        if module is not None:
+            _calls.setdefault(module, []).append((next(_sequence), replay, args, kwargs))
+
+    def recording_add_filter(*item, append):
+        if warnings.filters is watched:
+            record(_add_filter, item, {"append": append})
+        return add(*item, append=append)
+
+    warnings._add_filter = recording_add_filter  # type: ignore[attr-defined]
+    atexit.register, _recorder = _register, record
+    try:
+        yield
+    finally:
+        warnings._add_filter = add  # type: ignore[attr-defined]
+        atexit.register, _recorder = _real_register, None
+
+
+def _replay(calls: list[tuple]) -> None:
+    for _, replay, args, kwargs in sorted(calls, key=lambda call: call[0]):
+        replay(*args, **kwargs)
+
+
+def prepare() -> None:
+    """In the zygote, once its modules are there: can a step's filters be worked out? (Worked
+    out in a ``catch_warnings`` block, which puts the zygote's own filters back.)"""
+    global _filters_replayable
+    filters = [call for calls in _calls.values() for call in calls if call[1] is _add_filter]
+    with warnings.catch_warnings():
+        warnings.filters[:] = _start_filters or []
+        _replay(filters)
+        replayed = list(warnings.filters)
+    _filters_replayable = _start_filters is not None and replayed == warnings.filters
+
+
+def start_fresh() -> None:
+    """In a step, before its own options apply: no preloaded module's registrations."""
+    if _filters_replayable:
+        warnings.filters[:] = _start_filters
+        warnings._filters_mutated()  # type: ignore[attr-defined]
+    for func in _exit_handlers:
+        atexit.unregister(func)
+    # Every finalizer alive now finalises a zygote object: none runs at the step's exit
+    # (torch.library's ~30 ms; a preloaded module's temporary folder, the zygote's own).
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
+        finalizer.atexit = False
+
+
+def bring_back(names: list[str]) -> None:
+    """In a step: the modules ``names`` are handed back, with their imports' registrations."""
+    _replay([call for name in names for call in _calls.get(name, ())
+             if _filters_replayable or call[1] is not _add_filter])
