@@ -127,7 +127,9 @@ def test_a_folder_named_in_another_encoding_is_served_and_left_clean(tmp_path, r
 
 def test_os_systems_shell_names_itself_as_plainly():
     """Under the switch, ``os.system``'s shell is /bin/sh called ``sh`` (its messages, ``$0``
-    and line numbers as plainly; it named itself ``/bin/sh``)."""
+    and line numbers as plainly; it named itself ``/bin/sh``). Its PATH starts with this
+    interpreter's folder: the shell gets stand-ins only where its ``python3`` is this
+    interpreter (under a venv's python, pyenv's shim found first is another one)."""
     code = ("import os, sys\n"
             "if sys.argv[1] == 'switch':\n"
             "    from preload_launcher import Launcher, suite_wide\n"
@@ -138,7 +140,9 @@ def test_os_systems_shell_names_itself_as_plainly():
             "if sys.argv[1] == 'switch':\n"
             "    suite_wide.uninstall()\n"
             "    launcher.close()\n")
-    ref, got = (subprocess.run([PY, "-c", code, way], capture_output=True, text=True,
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(PY),
+                                                 os.environ.get("PATH", os.defpath)]))
+    ref, got = (subprocess.run([PY, "-c", code, way], env=env, capture_output=True, text=True,
                                timeout=120) for way in ("plain", "switch"))
     assert "sh: 2: no_such_command_here: not found" in ref.stdout + ref.stderr, ref
     assert (got.stdout, got.stderr) == (ref.stdout, ref.stderr)
