@@ -45,7 +45,8 @@ MAX_FDS = 32  # stdio, the caller's connection, and fds a spawning process passe
 FIRST_SEND = 65536
 
 # op -> required fields; event -> required fields.
-OPS = {"step": ("spec",), "status": (), "stop": (), "signal": ("signum",)}
+OPS = {"step": ("spec",), "status": (), "stop": (), "signal": ("signum",),
+       "ran_fresh": ("reason",)}
 EVENTS = {"started": ("pid",), "exec": ("t",),
           "error": ("type", "errno", "strerror", "filename"),
           "fallback": ("reason",), "fresh": ("reason",), "exit": ("returncode",),
@@ -203,7 +204,8 @@ def send_event(sock_or_fd, event: str, **fields) -> None:
 
 
 def send_op(sock_or_fd, op: str, **fields) -> None:
-    """An op line on a running step's connection (``signal``)."""
+    """An op line on a running step's connection (``signal``; ``ran_fresh``: a stand-in heard that its
+    program became a fresh interpreter, so the zygote does not count it as forked)."""
     _write(sock_or_fd, _line(_check({"op": op, **fields}, "op", OPS)))
 
 

@@ -236,6 +236,8 @@ def main(socket_path: str, ready: str) -> None:
                     os.close(fd)
             elif kind == "stopped":
                 mirror.on_stopped(int(event["signum"]), int(event["relayed"]))
+            elif kind == "fresh" and not event.get("rank"):  # it re-ran fresh: not a fork
+                protocol.send_op(sock, "ran_fresh", reason=event["reason"])
             elif kind in ("fallback", "error", "refused") and not running:
                 # The program itself reports what went wrong, if anything; a stale zygote that
                 # restarts would keep it waiting for a whole preload.

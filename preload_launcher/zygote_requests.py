@@ -270,6 +270,10 @@ class ZygoteRequests:
         for message in messages:
             if message.get("op") == "signal":
                 running.signal(int(message["signum"]))
+            elif message.get("op") == "ran_fresh" and running.standin:
+                # Forked, then it became a fresh interpreter (``rerun``): not served after all.
+                self.standin_steps -= 1
+                self.count_standin_fallback(f"it ran fresh: {message['reason']}")
 
 
 def _send_fallback(conn: socket.socket, fds: list[int], **event) -> None:
