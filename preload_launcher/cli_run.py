@@ -213,13 +213,15 @@ def run_plain(command: list[str], timeout: Optional[float]) -> tuple[int, float]
     killed after ``timeout``; any other signal this process gets is relayed to it. Returns its
     exit status and the CPU time it (and the children it waited for) used."""
     before = _children_cpu_s()
+    mirror = Mirror()  # in place before the command runs: it may say it is ready at once
+    mirror.install(skip=TERMINAL_SIGNALS)
     try:
         proc = subprocess.Popen(command)
     except OSError as err:
+        mirror.uninstall()
         print(f"preload-launcher run: {command[0]}: {err.strerror}", file=sys.stderr)
         return (127 if isinstance(err, FileNotFoundError) else 126), 0.0
-    mirror = Mirror(proc.send_signal)
-    mirror.install(skip=TERMINAL_SIGNALS)
+    mirror.relay_to(proc.send_signal)
     quit_before = signal.signal(signal.SIGQUIT, signal.SIG_IGN)  # the command's to act on
     try:
         code = proc.wait(timeout=timeout)

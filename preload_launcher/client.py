@@ -23,6 +23,7 @@ from .crashes import signal_name
 from .result import LauncherError, StepResult, ZygoteDied
 from .settings import Settings
 from .caller_fds import guarded_stdio
+from .mirroring import Mirror
 from .waiting import StepWait, decode, run_subprocess, wait_for_step, wait_relaying
 from .zygote_handle import ZygoteProcess
 
@@ -269,6 +270,25 @@ class Launcher:
         """The step's result, or the ``fallback`` event saying why it cannot be served."""
         requested_at = time.time()
         start = time.monotonic()
+        mirror = Mirror() if relay else None  # in place before the step runs (``wait_relaying``)
+        if mirror is not None:
+            mirror.install()
+        try:
+            zygote, waiter = self._submit(zygote, spec, capture, echo)
+        except BaseException:
+            if mirror is not None:
+                mirror.uninstall()
+            raise
+        if mirror is not None:
+            wait_relaying(waiter, spec.args, timeout, start, mirror)
+        else:
+            wait_for_step(waiter, spec.args, timeout, start)
+        return _result_of(zygote, spec, waiter, time.monotonic() - start, requested_at)
+
+    def _submit(self, zygote: ZygoteProcess, spec: StepSpec, capture: bool,
+                echo: bool) -> tuple[ZygoteProcess, StepWait]:
+        """The step sent to ``zygote`` (or to its replacement, where it died between steps):
+        the zygote that has it, and the wait for it."""
         # Our pipe and socket must not take a closed fd's number; the step gets the caller's
         # open ones (``stdio``), as with subprocess.
         with guarded_stdio() as stdio:
@@ -288,9 +308,7 @@ class Launcher:
             finally:
                 if out_w is not None:
                     os.close(out_w)
-            waiter = StepWait(sock, out_r, echo, zygote.pid)
-        (wait_relaying if relay else wait_for_step)(waiter, spec.args, timeout, start)
-        return _result_of(zygote, spec, waiter, time.monotonic() - start, requested_at)
+            return zygote, StepWait(sock, out_r, echo, zygote.pid)
 
 
 def _step_fds(stdio: list[int], out_w: Optional[int]) -> tuple[list[int], list[int]]:

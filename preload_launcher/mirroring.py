@@ -60,12 +60,16 @@ def stop_like(signum: int) -> None:
 
 class Mirror:
     """Relays every catchable signal through ``relay(signum)`` while installed, and stops when
-    the program stops (``on_stopped``). A ``stopped`` report that a SIGCONT relayed after it
-    overtakes is not mirrored: the program is running again (a caller's TSTP then CONT in
-    quick succession must not leave this process stopped)."""
+    the program stops (``on_stopped``). Installed before the program starts (``relay`` None),
+    it holds what arrives until ``relay_to`` names where the program is: a program may say
+    it is ready before its caller's process would otherwise have its handlers, and a signal
+    sent then must reach the program, not end the process standing for it. A ``stopped``
+    report that a SIGCONT relayed after it overtakes is not mirrored: the program is running
+    again (a caller's TSTP then CONT in quick succession must not leave this process stopped)."""
 
-    def __init__(self, relay) -> None:
+    def __init__(self, relay=None) -> None:
         self.relay = relay
+        self.held: list = []  # received, not relayed yet
         self.sent = 0  # signals relayed so far, in order
         self.last_cont = 0  # the number of the last SIGCONT relayed
         self.before: dict = {}
@@ -77,16 +81,37 @@ class Mirror:
             except (OSError, ValueError):  # one the platform reserves
                 pass
 
+    def relay_to(self, relay) -> None:
+        """The program runs: what was held goes to it first, in order, then every signal."""
+        self.relay = relay
+        self._flush()
+
     def uninstall(self) -> None:
+        """The previous handlers again; a signal still held (no program ever ran) is taken
+        by this process as it would have been without us."""
         for signum, handler in self.before.items():
             signal.signal(signum, handler)
         self.before.clear()
+        held, self.held = self.held, []
+        for signum in held:
+            os.kill(os.getpid(), signum)
 
     def _on_signal(self, signum, _frame) -> None:
-        self.sent += 1
-        if signum == signal.SIGCONT:
-            self.last_cont = self.sent
-        self.relay(signum)
+        self.held.append(signum)
+        if self.relay is not None:
+            self._flush()
+
+    def _flush(self) -> None:
+        # A handler may run between any two steps here, and flush what it finds itself.
+        while True:
+            try:
+                signum = self.held.pop(0)
+            except IndexError:
+                return
+            self.sent += 1
+            if signum == signal.SIGCONT:
+                self.last_cont = self.sent
+            self.relay(signum)
 
     def on_stopped(self, signum: int, relayed_before: int) -> None:
         """The program stopped, with ``relayed_before`` of our signals delivered to it."""

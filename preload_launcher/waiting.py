@@ -176,14 +176,15 @@ def wait_for_step(waiter: StepWait, args, timeout: Optional[float], start: float
         waiter.close()
 
 
-def wait_relaying(waiter: StepWait, args, timeout: Optional[float], start: float) -> None:
+def wait_relaying(waiter: StepWait, args, timeout: Optional[float], start: float,
+                  mirror: Mirror) -> None:
     """Wait as the process standing for the step (the CLI): every catchable signal is
-    relayed and the step's stops are mirrored (``mirroring``); a Ctrl-C is the step's to act
-    on, with no kill after a grace (the shell waits for its command as long as it runs).
-    After ``timeout`` the step and everything it started are killed."""
-    mirror = Mirror(waiter.send_signal)
+    relayed and the step's stops are mirrored (``mirror``, installed before the step was
+    submitted); a Ctrl-C is the step's to act on, with no kill after a grace (the shell waits
+    for its command as long as it runs). After ``timeout`` the step and everything it started
+    are killed."""
     waiter.on_stopped = mirror.on_stopped
-    mirror.install()
+    mirror.relay_to(waiter.send_signal)
     try:
         if not waiter.pump(None if timeout is None else start + timeout):
             waiter.send_signal(signal.SIGKILL)
@@ -214,14 +215,23 @@ def run_subprocess(args, cwd, env, timeout, check, echo, reason, capture=True,
     process stands for the step (``wait_relaying``), its signals going to the step's group."""
     start = time.monotonic()
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if capture else {}
-    with subprocess.Popen(args, cwd=cwd, env=env, **pipe, **OWN_PROCESS_GROUP) as proc:
+    mirror = Mirror() if relay else None  # in place before the step runs (``wait_relaying``)
+    if mirror is not None:
+        mirror.install()
+    try:
+        proc = subprocess.Popen(args, cwd=cwd, env=env, **pipe, **OWN_PROCESS_GROUP)
+    except BaseException:
+        if mirror is not None:
+            mirror.uninstall()
+        raise
+    with proc:
         chunks: list[bytes] = []
         reader = threading.Thread(target=_pump_pipe, args=(proc, chunks, echo), daemon=True)
         if capture:
             reader.start()
         try:
-            if relay:
-                _wait_relaying_for(proc, timeout)
+            if mirror is not None:
+                _wait_relaying_for(proc, timeout, mirror)
             else:
                 proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -243,11 +253,11 @@ def run_subprocess(args, cwd, env, timeout, check, echo, reason, capture=True,
     return result
 
 
-def _wait_relaying_for(proc: subprocess.Popen, timeout: Optional[float]) -> None:
+def _wait_relaying_for(proc: subprocess.Popen, timeout: Optional[float],
+                       mirror: Mirror) -> None:
     """``proc.wait(timeout)`` as the process standing for it: signals relayed to its group,
     its stops mirrored."""
-    mirror = Mirror(lambda signum: kill_group(proc.pid, signum))
-    mirror.install()
+    mirror.relay_to(lambda signum: kill_group(proc.pid, signum))
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while proc.returncode is None:
