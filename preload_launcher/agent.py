@@ -2,7 +2,8 @@
 own parser (``torchrun_config``), forks N sibling ranks with torchrun's environment contract,
 hosts the rendezvous store as torchrun's agent does, and supervises the ranks all-or-nothing.
 What torch elastic decides at the edges (signals, failure reports, error files) is its own code
-(``elastic``); where ranks meet and what they are given, ``rendezvous``.
+(``elastic``); where ranks meet and what they are given, ``rendezvous``. A launch beyond one
+node is torch elastic's own agent with forked workers (``torch_agent``).
 
 The agent never touches CUDA. Ranks are forked *before* the store starts its thread, so every
 rank is forked from a single-threaded process.
@@ -20,9 +21,9 @@ import sys
 import time
 from typing import Optional
 
-from . import cuda, elastic, protocol, rendezvous, runtime
+from . import cuda, elastic, protocol, rendezvous, runtime, torch_agent
 from .command import PythonTarget, StepSpec, Unsupported, launcher_interpreter, parse_python_argv
-from .ranks import RankHandle, fork_waiting_ranks, release_ranks
+from .ranks import RankHandle, fork_waiting_ranks, release_ranks, signal_rank
 from .settings import Settings
 from .caller_fds import open_stdio
 from .torchrun_config import configure_launch, parse_torchrun_args, unsupported_reason
@@ -98,6 +99,9 @@ def _serve_configured(spec, state, conn_fd, args, config, command, warm_ranks, r
         target.executable = cmd
     protocol.send_event(conn_fd, "exec", t=time.time())
     runtime.keep_for_exit_report(conn_fd)
+    if torch_agent.needs_torch_agent(args, config, rendezvous.LOCAL_HOSTS):  # beyond one node
+        return torch_agent.serve_with_torch_agent(spec, state, config, cmd, cmd_args, warm_ranks,
+                                                  recorded, temp_log_dir)
     if len(warm_ranks) != config.nproc_per_node:
         release_ranks(warm_ranks)
         warm_ranks.clear()
@@ -267,7 +271,7 @@ class Agent:
         ``timeout`` for them to end, then SIGKILL; the codes of those that fail are failures."""
         for pid in self.ranks:
             elastic.log_closing(pid, death_sig)
-            _signal_rank(pid, death_sig)
+            signal_rank(pid, death_sig)
         deadline = time.monotonic() + timeout
         while self.ranks and time.monotonic() < deadline:
             ended = self.finished(watch)
@@ -280,7 +284,7 @@ class Agent:
                 else:
                     time.sleep(0.05)
         for pid in self.ranks:
-            _signal_rank(pid, signal.SIGKILL)
+            signal_rank(pid, signal.SIGKILL)
         self.ranks.clear()
 
     def finish(self, code: Optional[int]) -> None:
@@ -354,14 +358,3 @@ class RankWatch:
                     runtime.tell_caller("fresh", reason=event["reason"], rank=True)
         return done
 
-
-def _signal_rank(pid: int, signum: int) -> None:
-    """A rank's group, as torch elastic's ``SubprocessHandler.close`` signals it (the rank
-    itself while it has not made its session yet)."""
-    try:
-        os.killpg(pid, signum)
-    except ProcessLookupError:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass

@@ -12,7 +12,7 @@ import socket
 from . import child, cuda, protocol, runtime
 from .command import StepSpec
 
-__all__ = ["RankHandle", "fork_waiting_ranks", "release_ranks"]
+__all__ = ["RankHandle", "fork_waiting_ranks", "release_ranks", "signal_rank"]
 
 
 class RankHandle:
@@ -69,3 +69,15 @@ def wait_as_rank(rank: int, sock: socket.socket, state: runtime.ZygoteState,
     spec = StepSpec.from_json_dict(orders)
     runtime.set_up(spec, state, fds)
     return child.run_python_step(spec.target, state, None)
+
+
+def signal_rank(pid: int, signum: int) -> None:
+    """A rank's group, as torch elastic's ``SubprocessHandler.close`` signals it (the rank
+    itself while it has not made its session yet)."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass

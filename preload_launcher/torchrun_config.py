@@ -10,7 +10,7 @@ import sys
 import uuid
 from typing import Optional
 
-from . import cuda, rendezvous
+from . import cuda, rendezvous, torch_agent
 from .command import StepSpec
 
 __all__ = ["resolve_nproc", "unsupported_reason", "parse_torchrun_args", "configure_launch"]
@@ -29,17 +29,12 @@ def resolve_nproc(value: str) -> Optional[str]:
 
 def unsupported_reason(args, config) -> str:
     """Why torchrun itself must run this launch ('' when the agent serves it)."""
-    if (config.min_nodes, config.max_nodes) != (1, 1):
-        return f"multi-node launch (nnodes={config.min_nodes}:{config.max_nodes})"
     if config.max_restarts:
         return f"--max-restarts={config.max_restarts}"
-    if args.node_rank:
-        return f"--node-rank={args.node_rank}"
     if config.rdzv_backend not in ("static", "c10d"):
         return f"rendezvous backend {config.rdzv_backend}"
-    host = (config.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
-    if config.rdzv_backend == "c10d" and host not in rendezvous.LOCAL_HOSTS:
-        return f"remote rendezvous endpoint {config.rdzv_endpoint}"
+    if args.run_path and torch_agent.needs_torch_agent(args, config, rendezvous.LOCAL_HOSTS):
+        return "--run-path of a multi-node launch"
     if args.no_python:
         return "--no-python"
     if getattr(args, "local_addr", None):
