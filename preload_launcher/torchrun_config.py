@@ -5,10 +5,12 @@ CUDA context, and why torchrun itself must run a launch the agent does not serve
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import uuid
-from typing import Optional
+from typing import Iterator, Optional
 
 from . import cuda, rendezvous, torch_agent
 from .command import StepSpec
@@ -47,9 +49,12 @@ def unsupported_reason(args, config) -> str:
 def parse_torchrun_args(spec: StepSpec):
     """torchrun's own parsing of the step's arguments (raises SystemExit on a usage error)."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.utils.logging import get_logger
     # argparse names itself after argv[0]: "torchrun", or "run.py" under python -m.
     program = spec.args[0] if os.path.basename(spec.args[0]) == "torchrun" else torchrun.__file__
     sys.argv = [program, *spec.torchrun_args]
+    if program == torchrun.__file__:  # run as __main__, its logger is "__main__": no torch prefix
+        torchrun.logger = get_logger("__main__")
     return torchrun.parse_args(spec.torchrun_args)
 
 
@@ -69,6 +74,32 @@ def configure_launch(args):
     args.nproc_per_node = nproc
     # LaunchConfig asks torch.cuda.is_available(); through cudaGetDeviceCount that poisons every
     # later fork, so the agent asks NVML instead, as the zygote's preload does.
-    with cuda.cuda_safe_imports():
+    with cuda.cuda_safe_imports(), _held(torchrun.logger) as notices:
         config, cmd, cmd_args = torchrun.config_from_args(args)
+    # What it logged (the OMP_NUM_THREADS notice) is said once: here, or by the torchrun that
+    # runs a launch the agent does not serve.
+    if not unsupported_reason(args, config):
+        for record in notices:
+            torchrun.logger.handle(record)
     return args, config, cmd, cmd_args
+
+
+class _Holder(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+@contextlib.contextmanager
+def _held(logger: logging.Logger) -> Iterator[list]:
+    """The records ``logger`` logs inside, held back instead of handled."""
+    holder = _Holder()
+    logger.addFilter(holder)
+    try:
+        yield holder.records
+    finally:
+        logger.removeFilter(holder)

@@ -383,3 +383,38 @@ def test_run_path_keeps_the_scripts_path_as_given(torch_launcher, tmp_path):
     assert theirs == [f"RANK{r} pkgx/mod.py ['pkgx/mod.py', 'x']" for r in "01"]
     assert probe_lines(got.stdout, False) == theirs
 
+
+
+NOTICE = "Setting OMP_NUM_THREADS environment variable for each process"
+PRINT_RANK = "import os; os.write(1, f\"rank {os.environ['RANK']}\\n\".encode())"
+
+
+def _notice(output: str) -> list[str]:
+    """torchrun's OMP_NUM_THREADS notice as printed, less the time and pid of torch's prefix."""
+    return [re.sub(r"^[WI]\d{4} [\d:.]+ \d+ ", "", line) for line in output.splitlines()
+            if NOTICE in line or "*****" in line]
+
+
+def test_torchruns_notice_is_torchruns_under_python_m(torch_launcher, tmp_path):
+    """``python -m torch.distributed.run`` logs as ``__main__`` (no torch log prefix)."""
+    (tmp_path / "ranks.py").write_text(PRINT_RANK)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    args = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "ranks.py")]
+    ref = plain(args, env=env, timeout=120)
+    got = torch_launcher.run(args, env=env, timeout=120)
+    assert (got.via, got.returncode, ref.returncode) == ("zygote", 0, 0), got.stdout
+    assert _notice(got.stdout) == _notice(ref.stdout) and len(_notice(ref.stdout)) == 3
+
+
+def test_a_launch_the_agent_leaves_to_torchrun_prints_its_notice_once(tmp_path, runtime_base):
+    """The CLI's output of a launch torchrun itself runs (``--local-addr``): one notice."""
+    (tmp_path / "ranks.py").write_text(PRINT_RANK)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(XDG_RUNTIME_DIR=str(runtime_base), PRELOAD_LAUNCHER_MODULES="torch")
+    args = [TORCHRUN, "--nproc-per-node", "2", "--local-addr", "127.0.0.1",
+            str(tmp_path / "ranks.py")]
+    ref = plain(args, env=env, timeout=120)
+    got = plain([PY, "-m", "preload_launcher.cli", "run", "--no-daemon", "--", *args], env=env,
+                timeout=300)
+    assert (got.returncode, ref.returncode) == (0, 0), got.stdout
+    assert _notice(got.stdout) == _notice(ref.stdout) and len(_notice(ref.stdout)) == 3
