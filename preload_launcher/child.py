@@ -31,7 +31,7 @@ _real_executable = sys.executable  # the zygote's: the interpreter a fresh run e
 def _path0(target: PythonTarget) -> Optional[str]:
     if target.kind == "script" and script.is_main_importer(script.script_path(target.value)):
         return script.script_path(target.value)  # where __main__ is imported from, even with -P
-    if os.environ.get("PYTHONSAFEPATH"):
+    if os.environ.get("PYTHONSAFEPATH") and hasattr(sys.flags, "safe_path"):  # 3.11+ reads it
         return None
     if target.kind == "script":
         return os.path.dirname(os.path.realpath(target.value))
