@@ -3,6 +3,7 @@ seen as edited, a learned module's environment reads are checked as the preload'
 test runner's own modules are never learned. Differential: the two steps of each case in
 ``programs/learned_cases.py`` plainly, then through ``run()``, the CLI's warm daemon and the
 suite switch (which forks a nested pytest too)."""
+import importlib.util
 import json
 import os
 import pathlib
@@ -21,6 +22,10 @@ import learned_cases  # noqa: E402
 from learned_cases import CASES, scenario, wait_settled  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# hf_offline imports huggingface_hub, which the core suite's other Pythons lack.
+HAVE_HUB = importlib.util.find_spec("huggingface_hub") is not None
+CASE_PARAMS = [pytest.param(case, marks=pytest.mark.skipif(
+    case == "hf_offline" and not HAVE_HUB, reason="needs huggingface_hub")) for case in CASES]
 
 
 @pytest.fixture
@@ -145,17 +150,17 @@ def assert_steps_as_plain(case_env: tuple, case: str, steps) -> None:
     assert_learned(case, status)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_a_step_after_learning_is_a_fresh_interpreters_through_run(case_env, case):
     assert_steps_as_plain(case_env, case, launcher_steps)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_a_step_after_learning_is_a_fresh_interpreters_through_the_daemon(case_env, case):
     assert_steps_as_plain(case_env, case, cli_steps)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_a_step_after_learning_is_a_fresh_interpreters_under_the_suite_switch(case_env, case):
     root, env = case_env
     forked, status = switched_steps(root, env, case, "suite")

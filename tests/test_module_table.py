@@ -119,6 +119,7 @@ def test_torch_configured_before_its_import_in_torchrun_ranks(torch_launcher, sc
 
 
 def test_through_the_cli(scripts, runtime_base):
+    pytest.importorskip("huggingface_hub")  # hub.py's
     env = fresh_env(PRELOAD_LAUNCHER_MODULES="huggingface_hub.constants,json",
                     XDG_RUNTIME_DIR=str(runtime_base))
     for script, via in (("hub.py", "via subprocess (run fresh: HF_"),
@@ -149,6 +150,7 @@ SWITCHED = textwrap.dedent("""\
 
 
 def test_under_the_suite_switch(scripts, tmp_path):
+    pytest.importorskip("huggingface_hub")  # hub.py's
     (scripts / "test_switched.py").write_text(SWITCHED)
     seen = {}
     for mode in ("0", "suite"):
