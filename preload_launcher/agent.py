@@ -101,7 +101,7 @@ def _serve_configured(spec, state, conn_fd, args, config, command, warm_ranks, r
     runtime.keep_for_exit_report(conn_fd)
     if torch_agent.needs_torch_agent(args, config, rendezvous.LOCAL_HOSTS):  # beyond one node
         return torch_agent.serve_with_torch_agent(spec, state, config, cmd, cmd_args, warm_ranks,
-                                                  recorded, temp_log_dir)
+                                                  recorded, temp_log_dir, max_ranks)
     if len(warm_ranks) != config.nproc_per_node:
         release_ranks(warm_ranks)
         warm_ranks.clear()

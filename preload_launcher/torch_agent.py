@@ -1,15 +1,17 @@
 """A torchrun launch that torch elastic's own agent drives, with only its workers' start
-replaced: multi-node launches (c10d rendezvous at any endpoint, static ``--node-rank``). The
+replaced: multi-node launches (c10d rendezvous at any endpoint, static ``--node-rank``) and
+elastic ones (``--max-restarts``). The
 rendezvous, membership, timeouts, the per-worker environment, failure propagation and the
 failure report are torch's ``launch_agent`` and ``LocalElasticAgent``, run as torchrun runs
 them. Where that agent calls ``start_processes``, this module's ``ForkedContext`` (torch's
 ``SubprocessContext`` with a forked start) hands each worker's command and environment to a
 rank forked from the zygote, so torch's own polling, closing and log tailing apply unchanged.
 
-Ranks are forked before the rendezvous starts its threads (the agent is still a single thread),
-one set per start to come. A start that finds no forked set left (torch restarting its workers
-for a membership change) is torch's own ``start_processes``: fresh interpreters, as torchrun
-starts them.
+Ranks are forked before the rendezvous starts its threads (the agent is still a single thread):
+one set for each start the launch may make, its first and one per restart, up to
+``PRELOAD_LAUNCHER_MAX_RANKS`` ranks in all. A start that finds no forked set left (more
+restarts than that, or torch restarting its workers for a membership change) is torch's own
+``start_processes``: fresh interpreters, as torchrun starts them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ __all__ = ["needs_torch_agent", "serve_with_torch_agent"]
 def needs_torch_agent(args, config, local_hosts: set[str]) -> str:
     """Why torch elastic's own agent drives this launch ('' when the agent of ``agent``
     serves it): what takes more than one node to decide."""
+    if config.max_restarts:
+        return f"--max-restarts={config.max_restarts}"
     if (config.min_nodes, config.max_nodes) != (1, 1):
         return f"multi-node launch (nnodes={config.min_nodes}:{config.max_nodes})"
     if args.node_rank:
@@ -44,15 +48,17 @@ def needs_torch_agent(args, config, local_hosts: set[str]) -> str:
 
 def serve_with_torch_agent(spec: StepSpec, state: runtime.ZygoteState, config, cmd: str,
                            cmd_args: list[str], warm_ranks: dict[int, RankHandle],
-                           recorded: bool, temp_log_dir: str) -> int:
+                           recorded: bool, temp_log_dir: str, max_ranks: int) -> int:
     """torchrun's ``run()`` after ``config_from_args``: ``elastic_launch`` of the command, under
     ``@record`` when ``recorded`` (else what it raises is the caller's), with forked workers."""
     from torch.distributed.launcher.api import elastic_launch
     if len(warm_ranks) != config.nproc_per_node:
         release_ranks(warm_ranks)
         warm_ranks = {}
-    # One set: --max-restarts is refused (``unsupported_reason``) until restarts fork too.
-    sets = [warm_ranks or fork_waiting_ranks(config.nproc_per_node, state, warm_cuda=False)]
+    n = config.nproc_per_node
+    sets = [warm_ranks] if warm_ranks else []
+    while len(sets) < min(1 + config.max_restarts, max(1, max_ranks // n)):
+        sets.append(fork_waiting_ranks(n, state, warm_cuda=False, close_fds=_sockets_of(sets)))
     start = ForkedStart(spec, sets)
     code: Optional[int] = None
     try:
@@ -64,6 +70,12 @@ def serve_with_torch_agent(spec: StepSpec, state: runtime.ZygoteState, config, c
     finally:
         start.finish(code, temp_log_dir)
     return code or 0
+
+
+def _sockets_of(sets: list[dict[int, RankHandle]]) -> tuple[int, ...]:
+    """The agent's ends of ranks forked earlier: a rank forked later must not hold them (a
+    waiting rank learns of its release by EOF)."""
+    return tuple(h.sock.fileno() for handles in sets for h in handles.values())
 
 
 class ForkedStart:

@@ -31,8 +31,6 @@ def resolve_nproc(value: str) -> Optional[str]:
 
 def unsupported_reason(args, config) -> str:
     """Why torchrun itself must run this launch ('' when the agent serves it)."""
-    if config.max_restarts:
-        return f"--max-restarts={config.max_restarts}"
     if config.rdzv_backend not in ("static", "c10d"):
         return f"rendezvous backend {config.rdzv_backend}"
     if args.run_path and torch_agent.needs_torch_agent(args, config, rendezvous.LOCAL_HOSTS):

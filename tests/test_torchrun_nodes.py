@@ -52,7 +52,7 @@ def node_env(tmp_path, **extra):
     return dict(env, PATH=BIN + os.pathsep + env.get("PATH", ""), TMPDIR=str(tmp_path), **extra)
 
 
-def run_nodes(launcher, tmp_path, ways, node_args, **extra):
+def run_nodes(launcher, tmp_path, ways, node_args, program=NODE, **extra):
     """Node k of the job, launched ``ways[k]`` ("plain" or "launcher") with ``node_args(k)``,
     all at once; returns each node's (exit code, output, via)."""
     results = [None] * len(ways)
@@ -67,7 +67,7 @@ def run_nodes(launcher, tmp_path, ways, node_args, **extra):
             got = launcher.run(args, cwd=cwd, env=env, timeout=120)
             results[k] = (got.returncode, got.stdout, got.via)
 
-    (tmp_path / "node.py").write_text(NODE)
+    (tmp_path / "node.py").write_text(program)
     threads = [threading.Thread(target=node, args=(k,)) for k in range(len(ways))]
     for thread in threads:
         thread.start()
@@ -160,3 +160,47 @@ def test_a_node_that_never_arrives_times_out_as_with_torchrun(torch_launcher, tm
     got = run_nodes(torch_launcher, tmp_path, ["launcher"], alone(_free_port()))
     assert got[0][2] == "zygote", got
     assert outcome(got) == ref, got
+
+
+# Rank 1 (node 1) fails once, before meeting the others, then succeeds on its node's restart.
+FLAKY = textwrap.dedent("""\
+    import os, sys
+    e = os.environ
+    mark = os.path.join(e["MARKS"], "failed_once")
+    if e["RANK"] == "1" and not os.path.exists(mark):
+        open(mark, "w").close()
+        os._exit(3)
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    forked = 'module_table' in repr(sys.meta_path)
+    os.write(1, (f"RUN rank={e['RANK']} group={e['GROUP_RANK']} world={e['WORLD_SIZE']} "
+                 f"restart={e['TORCHELASTIC_RESTART_COUNT']} "
+                 f"max={e['TORCHELASTIC_MAX_RESTARTS']} sum={t.item()} forked={forked}\\n").encode())
+    dist.destroy_process_group()
+    """)
+
+
+def test_restarts_fork_the_ranks_again_with_torchruns_count(torch_launcher, tmp_path):
+    """--max-restarts=1: node 1 restarts its failed rank (TORCHELASTIC_RESTART_COUNT=1), node 0
+    its waiting one for the new membership (its count stays 0), all forked again."""
+    def outcome(results, way):
+        runs = [sorted(line for line in output.splitlines() if line.startswith("RUN "))
+                for _, output, _ in results]
+        assert all(line.endswith(f"forked={way == 'launcher'}") for run in runs for line in run)
+        return [code for code, _, _ in results], [[l.rsplit(" ", 1)[0] for l in run] for run in runs]
+
+    def node_args(port):
+        return lambda k: [*static(port)(k)[:1], "--nproc-per-node=1", *static(port)(k)[2:],
+                          "--max-restarts=1", "--monitor-interval=0.5"]
+    seen = {}
+    for way in ("plain", "launcher"):
+        marks = tmp_path / way
+        marks.mkdir()
+        results = run_nodes(torch_launcher, tmp_path, [way] * 2, node_args(_free_port()),
+                            MARKS=str(marks), program=FLAKY)
+        assert [via for _, _, via in results] == [way.replace("launcher", "zygote")] * 2
+        seen[way] = outcome(results, way)
+    assert seen["plain"][0] == [0, 0] and "restart=1" in seen["plain"][1][1][0], seen
+    assert seen["launcher"] == seen["plain"]
