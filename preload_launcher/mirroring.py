@@ -73,18 +73,28 @@ class Mirror:
         self.sent = 0  # signals relayed so far, in order
         self.last_cont = 0  # the number of the last SIGCONT relayed
         self.before: dict = {}
+        self.skip: set = set()
 
     def install(self, skip=()) -> None:
-        for signum in set(relayed_signals()) - set(skip):
-            try:
-                self.before[signum] = signal.signal(signum, self._on_signal)
-            except (OSError, ValueError):  # one the platform reserves
-                pass
+        """Take every relayed signal but ``skip``; before ``relay_to``, not those ignored now:
+        a program started meanwhile (or whose attributes are read) inherits them ignored, as
+        from its caller."""
+        self.skip = set(skip)
+        self._take(ignored_too=self.relay is not None)
 
     def relay_to(self, relay) -> None:
         """The program runs: what was held goes to it first, in order, then every signal."""
         self.relay = relay
+        self._take(ignored_too=True)
         self._flush()
+
+    def _take(self, ignored_too: bool) -> None:
+        for signum in set(relayed_signals()) - self.skip - set(self.before):
+            try:
+                if ignored_too or signal.getsignal(signum) != signal.SIG_IGN:
+                    self.before[signum] = signal.signal(signum, self._on_signal)
+            except (OSError, ValueError):  # one the platform reserves
+                pass
 
     def uninstall(self) -> None:
         """The previous handlers again; a signal still held (no program ever ran) is taken

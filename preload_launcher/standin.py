@@ -146,6 +146,7 @@ class Invocation:
         here = os.path.dirname(os.path.abspath(argv[0]))
         self.name = os.path.basename(argv[0])
         self.env = dict(environ)
+        self.mirror = mirroring.Mirror()
         redirected = self.env.pop(STANDS_IN_FOR, None)
         if redirected is not None:  # a test process's launch (suite_wide): the program it named
             self.real, argv0 = redirected.split("\n", 1)
@@ -169,7 +170,9 @@ class Invocation:
                 "process": process_attrs.capture()}
 
     def become_real(self) -> None:
-        """Run the real program, as if this stand-in had never been there."""
+        """Run the real program, as if this stand-in had never been there (a signal held for
+        a program that never ran is ours again, as it would have met the program's start)."""
+        self.mirror.uninstall()
         if not self.real:
             os.write(2, f"{self.name}: command not found\n".encode())
             mirroring.die_like(127)
@@ -213,10 +216,12 @@ def main(socket_path: str, ready: str) -> None:
     invocation = Invocation(sys.argv, dict(os.environ))
     stdio = open_stdio()  # a closed stdin stays closed in the program
     fds = stdio + inherited_fds()
+    # In place before the request: the program may say it is ready at once, and what is sent
+    # to us from then on is meant for it (held until the request is sent).
+    invocation.mirror.install()
     sock = submit(socket_path, ready, invocation, fds)
-    # From here on the program is (being) forked: what is sent to us is meant for it.
-    mirror = mirroring.Mirror(lambda signum: protocol.send_op(sock, "signal", signum=signum))
-    mirror.install()
+    mirror = invocation.mirror
+    mirror.relay_to(lambda signum: protocol.send_op(sock, "signal", signum=signum))
     running = False
     reader = protocol.EventReader()
     while True:

@@ -2,9 +2,9 @@
 ended as JSON: ``signalled.py WAY SIGNAL TARGET -- COMMAND…``.
 
 WAY: ``plain``, or ``switch`` (this process's launches go through the suite switch, as in a
-test of a ``PRELOAD_LAUNCHER=suite`` session). TARGET: ``pid`` (``kill``), ``group``
-(``killpg``, as a terminal signals its foreground job; the command then leads a group of its
-own, in this session). SIGNAL ``stop``: SIGTSTP to TARGET, then, once this process saw the
+test of a ``PRELOAD_LAUNCHER=suite`` session, once its zygote serves). TARGET: ``pid``
+(``kill``), ``group`` (``killpg``, as a terminal signals its foreground job; the command then
+leads a group of its own, in this session). SIGNAL ``stop``: SIGTSTP to TARGET, then, once this process saw the
 command stop, SIGCONT; recorded: the stop seen and whether the program itself was stopped.
 """
 import json
@@ -19,6 +19,7 @@ if way == "switch":
     from preload_launcher import Launcher, suite_wide
     launcher = Launcher(["json"])
     suite_wide.install(launcher)
+    launcher.zygote_for_standins(dict(os.environ)).wait_ready()  # else the real program runs
 proc = subprocess.Popen(command, stdout=subprocess.PIPE, preexec_fn=os.setpgrp)
 ready = proc.stdout.readline().split()
 program = int(ready[1])
@@ -37,7 +38,9 @@ else:
 seen["returncode"] = proc.wait(timeout=60)
 seen["output"] = proc.stdout.read().decode()
 if way == "switch":
-    seen["forked"] = suite_wide.counts()["interpreters"] == 1
+    # Served, the program is not the process the stand-in started as (it becomes the real
+    # program by execve, same pid).
+    seen["forked"] = suite_wide.counts()["interpreters"] == 1 and program != proc.pid
     suite_wide.uninstall()
     launcher.close()
 print(json.dumps(seen))
