@@ -91,6 +91,8 @@ def test_a_signal_to_torchrun_reaches_each_rank_once_as_with_torchrun(torch_laun
     ref = plain(["bash", "sig.sh"], cwd=tmp_path, env=step_env(tmp_path, SIG=sig, FLAGS=flags),
                 timeout=180)
     theirs = signal_outcome(tmp_path, ref.stdout)
+    # A stand-in asks only a zygote that serves: the shell's torchrun is forked once one is ready.
+    torch_launcher.zygote_for(step_env(tmp_path))
     got = torch_launcher.run(["bash", "sig.sh"], cwd=tmp_path,
                              env=step_env(tmp_path, SIG=sig, FLAGS=flags), timeout=180)
     ours = signal_outcome(tmp_path, got.stdout)
