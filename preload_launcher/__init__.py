@@ -1,9 +1,9 @@
 """preload_launcher: run each Python/torchrun step as a fresh child forked from a preloaded zygote.
 
-Using the package loads the caller's side only (client, zygote_handle, command, protocol,
-settings), on first use of a name below: ``import preload_launcher.cli`` (the console script)
-imports none of it, so a one-off ``preload-launcher run`` starts fast. The zygote's modules are
-imported by the zygote process itself.
+Using the package loads the caller's side only (``caller/`` and the shared modules at the
+top), on first use of a name below: ``import preload_launcher.cli`` (the console script)
+imports none of it, so a one-off ``preload-launcher run`` starts fast. The zygote's modules
+(``zygote/``, ``step/``, ``launchers/``) are imported by the zygote process itself.
 
 PYTEST_DONT_REWRITE: pytest marks a plugin's package for assertion rewriting, and a pytest
 forked from a zygote, which holds this package, would warn that it is imported already (an
@@ -19,9 +19,9 @@ __all__ = ["run", "run_capturing", "Launcher", "ZygoteProcess", "default_launche
 __version__ = "0.1.0"
 
 # Each public name and the module that defines it.
-_HOMES = {"run": "client", "run_capturing": "client", "Launcher": "client",
-          "ZygoteProcess": "zygote_handle", "default_launcher": "client", "StepSpec": "command",
-          "StepResult": "result", "LauncherError": "result"}
+_HOMES = {"run": "caller.client", "run_capturing": "caller.client", "Launcher": "caller.client",
+          "ZygoteProcess": "caller.zygote_handle", "default_launcher": "caller.client",
+          "StepSpec": "command", "StepResult": "result", "LauncherError": "result"}
 
 
 def __getattr__(name: str):

@@ -19,10 +19,10 @@ from .result import LauncherError
 __all__ = ["main", "build_parser"]
 
 # verb -> (module, function)
-VERBS = {"run": ("cli_run", "cmd_run"), "doctor": ("cli_inspect", "cmd_doctor"),
-         "serve": ("cli_daemon", "cmd_serve"), "status": ("cli_daemon", "cmd_status"),
-         "stop": ("cli_daemon", "cmd_stop"), "learned": ("cli_inspect", "cmd_learned"),
-         "profile": ("cli_inspect", "cmd_profile")}
+VERBS = {"run": ("front.cli_run", "cmd_run"), "doctor": ("front.cli_inspect", "cmd_doctor"),
+         "serve": ("front.cli_daemon", "cmd_serve"), "status": ("front.cli_daemon", "cmd_status"),
+         "stop": ("front.cli_daemon", "cmd_stop"), "learned": ("front.cli_inspect", "cmd_learned"),
+         "profile": ("front.cli_inspect", "cmd_profile")}
 
 PRELOAD_HELP = ("comma-separated modules the zygote preloads (default: PRELOAD_LAUNCHER_MODULES, "
                 f"else {','.join(settings.DEFAULT_MODULES)})")

@@ -15,8 +15,10 @@ from typing import Optional
 
 import pytest
 
-from . import client, daemon, settings, suite_wide
-from .reporting import format_deferred, format_learned, preload_problems
+from . import settings
+from .caller import client
+from .front import daemon, suite_wide
+from .front.reporting import format_deferred, format_learned, preload_problems
 from .result import LauncherError
 
 PRELOAD_LAUNCHER_DESC = "run steps through a preloaded zygote (PRELOAD_LAUNCHER env var wins)"

@@ -6,10 +6,11 @@ instances and failures raise the stdlib ``CalledProcessError`` / ``TimeoutExpire
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from typing import Optional
 
-__all__ = ["StepResult", "LauncherError", "ZygoteDied"]
+__all__ = ["StepResult", "LauncherError", "ZygoteDied", "signal_name"]
 
 
 class StepResult(subprocess.CompletedProcess):
@@ -46,3 +47,12 @@ class ZygoteDied(LauncherError):
         super().__init__(f"zygote {pid} died while running {args!r}"
                          + (f"; output so far:\n{output}" if output is not None else ""))
         self.pid = pid
+
+
+def signal_name(signum: int) -> str:
+    """"SIGSEGV" for 11; "signal 40" for a signal ``signal.Signals`` has no name for (the
+    real-time ones between SIGRTMIN and SIGRTMAX), which it refuses with a ValueError."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

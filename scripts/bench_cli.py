@@ -36,7 +36,7 @@ def timed(args: list[str], env: dict) -> tuple[float, float]:
     return wall, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
 
 
-CLI_IMPORT = "import preload_launcher.cli, preload_launcher.cli_run"
+CLI_IMPORT = "import preload_launcher.cli, preload_launcher.front.cli_run"
 
 
 def import_time(env: dict, repeats: int = 7) -> tuple[float, float, list[str]]:

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from preload_launcher import Launcher, ZygoteProcess  # noqa: E402
-from preload_launcher.reporting import format_doctor  # noqa: E402
+from preload_launcher.front.reporting import format_doctor  # noqa: E402
 
 STEPS = os.path.join(HERE, "steps")
 PROGRAMS = os.path.join(os.path.dirname(HERE), "tests", "programs")

@@ -1,5 +1,11 @@
-"""The package's shape: what importing it loads, who imports whom, where the fork and the exit
-are written, and who reads the launcher's environment variables."""
+"""The package's shape: where each module lives, who imports whom, what importing it loads,
+where the fork and the exit are written, and who reads the launcher's environment variables.
+
+The folders are the pipeline's stages: ``caller/`` (the process that asks for a step),
+``zygote/`` (the preloaded interpreter that forks it), ``step/`` (the forked step) and
+``launchers/`` (torchrun and accelerate, served in the step); the front doors (``cli``,
+``pytest_plugin``, the package's public names) sit on top, their parts in ``front/``; the modules
+at the top besides them are shared by the stages."""
 
 import ast
 import os
@@ -9,30 +15,70 @@ import sys
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "preload_launcher")
-ZYGOTE_SIDE = {"zygote", "preload", "culprits", "entries", "prewarm", "step", "runtime", "child",
-               "zygote_requests", "agent", "torchrun_config", "procfs", "learn",
-               "accelerate_launch"}
+FRONT_DOORS = {"__init__", "cli", "pytest_plugin"}
+FORKED = {"zygote", "step", "launchers"}  # what runs in the zygote and the processes it forks
+# Who may import whom, by stage ("shared": a module at the top that is not a front door).
+MAY_IMPORT = {
+    "shared": {"shared"},
+    "caller": {"shared", "caller"},  # the caller's process never loads the forked side
+    **{stage: {"shared"} | FORKED for stage in FORKED},  # never the caller's side
+    "front": {"shared", "caller", "front"} | FORKED,
+}
 
 
 def sources() -> dict[str, str]:
-    return {name[:-3]: open(os.path.join(PACKAGE, name)).read()
-            for name in sorted(os.listdir(PACKAGE)) if name.endswith(".py")}
+    """Every module by its dotted name under the package ("caller.client", "protocol")."""
+    found = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, PACKAGE)[:-3].replace(os.sep, ".")
+                with open(path, encoding="utf-8") as f:
+                    found[dotted] = f.read()
+    return dict(sorted(found.items()))
 
 
-def package_imports(tree: ast.AST) -> list[tuple[str, bool]]:
-    """(imported package module, imported inside a function) for every relative import."""
+def stage_of(module: str) -> str:
+    """Its folder (a package's own name counts as its folder), else a front door or shared."""
+    folder, dot, _ = module.partition(".")
+    if dot or os.path.isdir(os.path.join(PACKAGE, folder)):
+        return folder
+    return "front" if module in FRONT_DOORS else "shared"
+
+
+def package_imports(module: str, tree: ast.AST, modules: set[str]) -> list[tuple[str, bool]]:
+    """(imported package module, imported inside a function) for every relative import in
+    ``module``; a package stands as its ``__init__``."""
+    package = module.split(".")[:-1]  # an __init__'s package is its own folder
     found = []
+
+    def resolve(node: ast.ImportFrom) -> list[str]:
+        base = package[:len(package) - node.level + 1]
+        target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+        if target in modules:
+            return [target]
+        named = [f"{target}.{a.name}".lstrip(".") for a in node.names]  # modules of a package
+        return [n for n in named if n in modules] or [f"{target}.__init__".lstrip(".")]
 
     def visit(node, in_function):
         for child in ast.iter_child_nodes(node):
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-            if isinstance(child, ast.ImportFrom) and child.level == 1:
-                names = [child.module] if child.module else [a.name for a in child.names]
-                found.extend((n.split(".")[0], in_function) for n in names)
+            if isinstance(child, ast.ImportFrom) and child.level:
+                found.extend((n, in_function) for n in resolve(child))
             visit(child, nested)
 
     visit(tree, False)
     return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph, src = {}, sources()
+    for name, source in src.items():
+        imports = package_imports(name, ast.parse(source), set(src))
+        assert not [m for m, nested in imports if nested], f"{name} imports inside a function"
+        graph[name] = {m for m, _ in imports}
+    return graph
 
 
 def loaded_by(code: str) -> set[str]:
@@ -44,24 +90,48 @@ def loaded_by(code: str) -> set[str]:
     return {m.split(".", 1)[1] for m in out}
 
 
+def test_each_module_lives_in_a_stage_folder_and_shared_modules_are_shared():
+    """A folder is a stage with its own import rule; a module at the top that only one stage
+    imports belongs in that stage's folder."""
+    graph = import_graph()
+    folders = {m.partition(".")[0] for m in graph if "." in m}
+    assert folders == set(MAY_IMPORT) - {"shared"}, folders
+    importers = {}
+    for importer, imported in graph.items():
+        for module in imported:
+            importers.setdefault(module, set()).add(stage_of(importer))
+    lonely = {m: stages for m, stages in importers.items()
+              if stage_of(m) == "shared" and len(stages) < 2}
+    unused = [m for m in graph if stage_of(m) == "shared" and m not in importers]
+    assert not lonely and not unused, (lonely, unused)
+
+
+def test_imports_between_stages_go_only_the_allowed_ways():
+    """The shared modules import no stage; the caller's process never loads the forked side
+    (``import preload_launcher`` stays light, and no zygote code runs in a caller); the forked
+    side never reaches back into the caller or the front doors; only the front doors import
+    ``front/``."""
+    wrong = [f"{importer} -> {module}" for importer, imported in import_graph().items()
+             for module in imported
+             if stage_of(module) not in MAY_IMPORT[stage_of(importer)]]
+    assert not wrong, wrong
+
+
 def test_importing_the_package_loads_only_the_callers_side():
     loaded = loaded_by("import preload_launcher; preload_launcher.run")
-    assert "client" in loaded and not loaded & ZYGOTE_SIDE, loaded
+    assert "caller.client" in loaded, loaded
+    assert not {m for m in loaded if stage_of(m) in FORKED | {"front"}}, loaded
 
 
 def test_a_run_without_a_daemon_loads_neither_the_client_nor_the_zygote_side():
     """The console script's import path and `run`'s own, before it knows a zygote is needed."""
-    loaded = loaded_by("import preload_launcher.cli, preload_launcher.cli_run")
-    assert loaded == {"cli", "cli_run", "daemon_files", "files", "identity", "mirroring",
-                      "result", "rundir", "settings"}, loaded
+    loaded = loaded_by("import preload_launcher.cli, preload_launcher.front.cli_run")
+    assert loaded == {"cli", "front", "front.cli_run", "front.daemon_files", "files", "identity",
+                      "mirroring", "result", "rundir", "settings"}, loaded
 
 
 def test_no_import_cycles_and_no_function_level_package_imports():
-    graph = {}
-    for name, source in sources().items():
-        imports = package_imports(ast.parse(source))
-        assert not [m for m, nested in imports if nested], f"{name} imports inside a function"
-        graph[name] = {m for m, _ in imports}
+    graph = import_graph()
 
     def reaches(start, goal, seen):
         for nxt in graph.get(start, ()):
@@ -76,11 +146,11 @@ def test_no_import_cycles_and_no_function_level_package_imports():
 def test_one_fork_and_one_child_exit():
     src = sources()
     forks = {name: s.count("os.fork(") for name, s in src.items() if "os.fork(" in s}
-    assert forks == {"runtime": 1}
+    assert forks == {"step.runtime": 1}
     exits = {name: s.count("os._exit(") for name, s in src.items() if "os._exit(" in s}
     # mirroring: every forked process (runtime.exit_with), and a process standing for a
-    # program (a stand-in, the CLI) ends as the program did; zygote: the zygote's own end.
-    assert exits == {"zygote": 1, "mirroring": 1}, exits
+    # program (a stand-in, the CLI) ends as the program did; zygote.server: the zygote's own end.
+    assert exits == {"zygote.server": 1, "mirroring": 1}, exits
 
 
 def test_only_settings_reads_the_launchers_variables():

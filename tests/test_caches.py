@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from preload_launcher import Launcher, learn
+from preload_launcher import Launcher
+from preload_launcher.zygote import learn
 
 from conftest import PY
 
@@ -82,7 +83,7 @@ def test_two_zygotes_of_different_preload_sets_keep_each_others_learning(project
 
 def test_concurrent_savers_lose_no_edit(tmp_path):
     """Many processes, each adding its own module and saving, at once: every one is kept."""
-    code = ("import sys; from preload_launcher import learn\n"
+    code = ("import sys; from preload_launcher.zygote import learn\n"
             "p = learn.Profile(sys.argv[1], 'k', '/p')\n"
             "p.pin(sys.argv[2]); p.save()\n")
     procs = [subprocess.Popen([PY, "-c", code, str(tmp_path), f"m{i}"],

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from preload_launcher import Launcher
-from preload_launcher.reporting import format_deferred
+from preload_launcher.front.reporting import format_deferred
 
 from conftest import PY, plain
 

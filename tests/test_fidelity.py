@@ -99,7 +99,7 @@ def test_exit_statuses_are_pythons(light, code):
 
 
 def test_the_exit_status_rule_is_pythons():
-    from preload_launcher.runtime import exit_status_of
+    from preload_launcher.step.runtime import exit_status_of
     for code in (None, 0, 1, -1, 255, 256, 300, -300, 2**31, 2**63, -2**63 - 1, True, False):
         ref = subprocess.run([PY, "-c", f"import sys; sys.exit({code!r})"])
         assert exit_status_of(SystemExit(code)) == ref.returncode, code

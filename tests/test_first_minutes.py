@@ -10,8 +10,8 @@ import time
 import pytest
 
 from preload_launcher import ZygoteProcess, cuda
-from preload_launcher.cli_run import worth_a_daemon
-from preload_launcher.reporting import doctor_verdict, entry_result, preload_problems
+from preload_launcher.front.cli_run import worth_a_daemon
+from preload_launcher.front.reporting import doctor_verdict, entry_result, preload_problems
 
 from conftest import PY, wait_gone
 
@@ -221,7 +221,7 @@ def test_a_daemon_run_starts_on_its_own_prewarms_no_gpu(monkeypatch):
 
 def test_run_starts_its_daemon_as_an_implicit_one(env, monkeypatch):
     """The background `serve` that `run` starts is told that the user did not ask for it."""
-    from preload_launcher import daemon
+    from preload_launcher.front import daemon
     started = []
 
     class Started:
@@ -237,7 +237,8 @@ def test_run_starts_its_daemon_as_an_implicit_one(env, monkeypatch):
 
 # ---------------------------------------------------------------- one interpreter, one identity
 
-KEYS = ("from preload_launcher import daemon_files, learn, verdicts; import json, sys; "
+KEYS = ("from preload_launcher.front import daemon_files; "
+        "from preload_launcher.zygote import learn, verdicts; import json, sys; "
         "print(json.dumps([daemon_files.daemon_paths(['json'])[0], learn.profile_key('/p'), "
         "verdicts.package_fingerprint(sys.path[1:])]))")
 

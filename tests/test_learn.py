@@ -188,7 +188,7 @@ def test_a_module_whose_import_warns_or_prints_is_never_learned(tmp_path):
     launcher = Launcher(["json"], project=str(project))
     try:
         launcher.run([PY, "-c", "import warns_mod, chatty, quiet_mod"], env=env, cwd=str(project))
-        from preload_launcher import learn
+        from preload_launcher.zygote import learn
         deadline = time.monotonic() + 60
         while True:  # the zygote learns while idle: quiet_mod comes last, in the same pass
             data = learn.Profile(str(tmp_path / "cache"), learn.profile_key(str(project)),

@@ -192,7 +192,7 @@ def test_every_module_pytest_would_rewrite_is_never_learned():
 
     from _pytest.config import _iter_rewritable_modules
 
-    from preload_launcher.learn import test_runner_modules
+    from preload_launcher.zygote.learn import test_runner_modules
     marked = set()
     for dist in distributions():
         if any(ep.group == "pytest11" for ep in dist.entry_points):

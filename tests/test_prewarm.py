@@ -126,7 +126,7 @@ def test_prewarmed_ranks_get_torchruns_environment(warm_torch_launcher):
 
 def test_prewarm_defaults_on_only_where_asked_and_can_be_turned_off(monkeypatch):
     from preload_launcher import cuda
-    from preload_launcher.client import ZygoteProcess
+    from preload_launcher.caller.client import ZygoteProcess
 
     def prewarm(env, daemon, gpus):
         monkeypatch.setattr(cuda, "nvml_device_count", lambda environ=None: gpus)

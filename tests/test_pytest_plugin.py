@@ -188,7 +188,7 @@ def test_the_zygote_starts_before_the_suites_conftests_load(pytester):
     """Its preload overlaps the conftests' own imports (torch, transformers, ...) and the
     collection, instead of starting after them."""
     pytester.makeconftest("""
-        from preload_launcher import client
+        from preload_launcher.caller import client
         launcher = client._session_launcher
         STARTED = launcher is not None and [z.process.poll() for z in launcher.zygotes] == [None]
     """)

@@ -136,7 +136,7 @@ def test_an_entry_found_dirty_while_the_zygote_is_in_it_costs_one_restart(site):
 def test_a_signal_without_a_name_is_named_by_its_number():
     """How a crash is told (a scout's verdict, a lost zygote in the summary) never fails on a
     real-time signal, which ``signal.Signals`` has no member for."""
-    from preload_launcher.crashes import signal_name
+    from preload_launcher.result import signal_name
     import signal
     assert signal_name(signal.SIGSEGV) == "SIGSEGV"
     unnamed = signal.SIGRTMIN + 6

@@ -114,7 +114,7 @@ def test_a_folder_named_in_another_encoding_is_served_and_left_clean(tmp_path, r
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), PRELOAD_LAUNCHER_MODULES="json")
     probe = "import os; print(os.fsencode(os.getcwd()))"
     ref = subprocess.run([PY, "-c", probe], cwd=folder, env=env, capture_output=True, timeout=60)
-    done = subprocess.run([PY, "-c", "import sys; from preload_launcher import client\n"
+    done = subprocess.run([PY, "-c", "import sys; from preload_launcher.caller import client\n"
                            f"r = client.run([sys.executable, '-c', {probe!r}])\n"
                            "client.default_launcher().close()  # its zygote ended\n"
                            "print(r.via, r.reason); print(r.stdout, end='')"],
@@ -132,7 +132,8 @@ def test_os_systems_shell_names_itself_as_plainly():
     interpreter (under a venv's python, pyenv's shim found first is another one)."""
     code = ("import os, sys\n"
             "if sys.argv[1] == 'switch':\n"
-            "    from preload_launcher import Launcher, suite_wide\n"
+            "    from preload_launcher import Launcher; "
+            "from preload_launcher.front import suite_wide\n"
             "    launcher = Launcher(['json'])\n"
             "    suite_wide.install(launcher)\n"
             "status = os.system('true\\nno_such_command_here; echo $0')\n"

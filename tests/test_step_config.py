@@ -21,7 +21,7 @@ import textwrap
 import pytest
 
 from preload_launcher import Launcher
-from preload_launcher.native_env import REREAD
+from preload_launcher.step.native_env import REREAD
 from preload_launcher.settings import NATIVE_ENV, THREAD_ENV
 
 from conftest import PY, plain, program
@@ -248,7 +248,7 @@ def test_the_import_function_a_preloaded_module_kept_behaves_as_pythons(tmp_path
 
 KEPT_AFTER_RECORDING = """
 import builtins
-from preload_launcher import module_table
+from preload_launcher.step import module_table
 with module_table.recording():
     kept = builtins.__import__
 edges = {k: set(v) for k, v in module_table._edges.items()}

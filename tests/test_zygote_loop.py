@@ -8,8 +8,8 @@ import selectors
 import signal
 import socket
 
-from preload_launcher.running import Step
-from preload_launcher.zygote import Zygote
+from preload_launcher.zygote.running import Step
+from preload_launcher.zygote.server import Zygote
 
 
 def a_zygote_loop() -> Zygote:

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 from preload_launcher import Launcher  # noqa: E402
-from preload_launcher.reporting import format_doctor  # noqa: E402
+from preload_launcher.front.reporting import format_doctor  # noqa: E402
 
 MODULES = ["torch", "transformer_engine.pytorch", "megatron.core", "megatron.bridge", "modelopt.torch"]
 STEP = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=1",

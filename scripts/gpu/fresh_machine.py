@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 from preload_launcher import Launcher  # noqa: E402
-from preload_launcher.reporting import format_doctor  # noqa: E402
+from preload_launcher.front.reporting import format_doctor  # noqa: E402
 
 PY = sys.executable
 MODULES = ["torch", "megatron.core", "megatron.core.models.gpt", "modelopt.torch",

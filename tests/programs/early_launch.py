@@ -9,7 +9,8 @@ import os
 import subprocess
 import sys
 
-from preload_launcher import Launcher, suite_wide
+from preload_launcher import Launcher
+from preload_launcher.front import suite_wide
 
 PROBE = f"import os; print(os.getppid() != {os.getpid()})"
 launcher = Launcher(["held_preload"])

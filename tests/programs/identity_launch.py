@@ -8,7 +8,8 @@ import sys
 
 PROBE = "import os; print(os.getuid(), os.getgid(), sorted(os.getgroups()))"
 if sys.argv[1] == "switch":
-    from preload_launcher import Launcher, suite_wide
+    from preload_launcher import Launcher
+    from preload_launcher.front import suite_wide
     launcher = Launcher(["json"])
     suite_wide.install(launcher)
     launcher.zygote_for_standins(dict(os.environ)).wait_ready()

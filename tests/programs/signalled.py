@@ -16,7 +16,8 @@ import sys
 way, sig, target = sys.argv[1:4]
 command = sys.argv[5:]
 if way == "switch":
-    from preload_launcher import Launcher, suite_wide
+    from preload_launcher import Launcher
+    from preload_launcher.front import suite_wide
     launcher = Launcher(["json"])
     suite_wide.install(launcher)
     launcher.zygote_for_standins(dict(os.environ)).wait_ready()  # else the real program runs

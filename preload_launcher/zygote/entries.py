@@ -1,0 +1,209 @@
+"""The preload set imported in order, each entry watched (``culprits``) and scouted where it is
+new (``scouts``), stopping at the first that leaves the process unfit to fork; then the learned
+modules, within a time budget, under the same rules.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+from ..cuda import DriverProbe, cuda_safe_imports
+from . import learn
+from .crashes import CrashGuard
+from .culprits import EntryReport, import_entry, is_dirty, unguarded_verdict, verdict_key
+from .deferral import Blocker, top_level
+from .scouts import Abandon, Follower, Scouts, ScoutStream
+from .verdicts import DEFER
+
+__all__ = ["PreloadReport", "preload", "preload_learned"]
+
+
+
+@dataclass
+class PreloadReport:
+    requested: list[str]
+    entries: list[EntryReport] = field(default_factory=list)
+    quarantined: dict[str, dict] = field(default_factory=dict)  # entry -> verdict
+    probe: str = ""
+    nvml_answers: bool = False
+    seconds: float = 0.0
+    import_env: dict[str, Optional[str]] = field(default_factory=dict)
+    # Of those, the ones unset at start that the imports set (TORCHINDUCTOR_CACHE_DIR): an
+    # environment holding the same value (a process that imported the same stack) matches.
+    set_while_importing: dict[str, str] = field(default_factory=dict)
+    dirty_entry: str = ""  # set when an entry left the process unfit to fork
+    deferred: dict[str, dict] = field(default_factory=dict)  # package -> verdict + cut imports
+    hints: dict[str, str] = field(default_factory=dict)  # a profile's verdict -> its check
+    found: dict[str, dict] = field(default_factory=dict)  # verdicts scouts found this start
+    learned: dict = field(default_factory=dict)  # the learned preload's summary
+    abandoned: str = ""  # the verdict key a scout found too late: restart without it
+
+    @property
+    def loaded(self) -> list[str]:
+        return [e.module for e in self.entries if e.ok]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["loaded"] = self.loaded
+        return data
+
+
+def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
+            blocker: Optional[Blocker] = None, scout: Callable[[str], bool] = lambda m: False,
+            log: Callable[..., None] = lambda *a: None,
+            guard: Optional[CrashGuard] = None) -> PreloadReport:
+    """Import ``modules`` in order; stop at the first that makes the process unfit to fork.
+
+    Entries in ``skip`` are quarantined, and so are their submodules (importing one runs the
+    quarantined ``__init__`` again). An entry that fails only because it needs a deferred
+    package without a guard is quarantined too (``report.quarantined``); the process stays
+    clean, so this costs no restart. Entries for which ``scout(entry)`` is true are scouted
+    (``scouts``): a verdict a scout finds is added to ``skip`` and ``report.found``; one found
+    too late to act on without a restart sets ``report.abandoned``. ``guard`` names each entry
+    while it is imported, should it crash the interpreter (``crashes``)."""
+    report = PreloadReport(requested=list(modules), probe=probe.name)
+    report.quarantined = {k: v for k, v in skip.items() if not k.startswith(DEFER)}
+    start = time.perf_counter()
+    with cuda_safe_imports() as nvml:
+        report.nvml_answers = nvml
+        scouts = Scouts([m for m in modules if m not in sys.modules and scout(m)], import_entry,
+                        probe, blocker) if blocker is not None else None
+        try:
+            _import_entries(modules, probe, skip, blocker, scouts, report, log, guard)
+        finally:
+            if scouts is not None:
+                scouts.close()
+            if guard is not None:
+                guard.close()
+    report.seconds = round(time.perf_counter() - start, 3)
+    return report
+
+
+def _import_entries(modules: list[str], probe: DriverProbe, skip: dict, blocker: Optional[Blocker],
+                    scouts: Optional[Scouts], report: PreloadReport, log: Callable,
+                    guard: Optional[CrashGuard]) -> None:
+    for module in modules:
+        if _quarantined(module, report.quarantined):
+            continue
+        log("preloading %s", module)
+        stream = scouts.stream(module) if scouts is not None else None
+        follower = None
+        if stream is not None:
+            scouts.drain()
+            if stream.report is not None or stream.finished:  # it is done already
+                stream.end(killed=stream.report is not None)
+                if not _act_on_scout(stream, skip, blocker, report, started=False):
+                    continue
+            else:
+                follower = Follower(scouts, stream, top_level(module), lambda done: (
+                    _act_on_scout(done, skip, blocker, report, started=True)))
+        if guard is not None:
+            guard.importing(module)
+        try:
+            entry = import_entry(module, probe, blocker, follower)
+        except Abandon as abandoned:
+            report.abandoned = abandoned.key
+            return
+        finally:
+            if stream is not None:
+                stream.end(killed=True)  # the zygote's own import is proven: done with it
+        report.entries.append(entry)
+        if is_dirty(entry):
+            report.dirty_entry = module
+            return
+        if blocker is not None and top_level(entry.missing) in blocker.packages:
+            report.quarantined[module] = unguarded_verdict(entry, skip)
+
+
+def _act_on_scout(stream: ScoutStream, skip: dict, blocker: Blocker, report: PreloadReport,
+                  started: bool) -> bool:
+    """What a scout found about its entry, acted on: False when the entry must not be
+    imported. ``started``: the zygote is inside the entry's import already (it cannot take
+    back what it imported: an entry to quarantine, or a culprit it entered, raises ``Abandon``,
+    for a restart without it)."""
+    if stream.verdict is not None:  # it crashed the scout
+        key, verdict = stream.module, stream.verdict
+    else:
+        scouted = EntryReport(**stream.report) if stream.report else None
+        # A culprit behind a package another entry's scout had deferred is blocked already.
+        if scouted is None or not is_dirty(scouted) or scouted.deferrable in blocker.packages:
+            return True
+        key, verdict = verdict_key(scouted, skip)
+    skip[key] = report.found[key] = verdict
+    if key.startswith(DEFER) and key[len(DEFER):] not in sys.modules:
+        blocker.packages.add(key[len(DEFER):])
+        return True
+    if started:
+        raise Abandon(key, verdict)
+    report.quarantined[stream.module] = verdict
+    return False
+
+
+def _quarantined(module: str, quarantined: dict) -> bool:
+    return any(module == q or module.startswith(q + ".") for q in quarantined)
+
+
+def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
+                    keep_going: Callable[[], bool] = lambda: True,
+                    blocker: Optional[Blocker] = None) -> tuple[dict, Optional[EntryReport]]:
+    """Import learned modules until the time budget is spent or ``keep_going()`` says stop;
+    stop at the first dirty one. One that tries a deferred package is not kept (``blocker``).
+
+    Returns a summary (with each module's cost) and, when one made the process unfit to fork,
+    its report."""
+    summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
+               "costs": {}, "guards_deferred": [], "failed_modules": [], "unlearnable": {}}
+    start = time.perf_counter()
+    dirty = None
+    with cuda_safe_imports():
+        for i, module in enumerate(modules):
+            if module in sys.modules:
+                summary["loaded"] += 1
+                continue
+            if time.perf_counter() - start >= budget:
+                summary["over_budget"] = len(modules) - i
+                break
+            if not keep_going():
+                summary["interrupted"] = True
+                break
+            blocked_before = len(blocker.stacks) if blocker is not None else 0
+            before = set(sys.modules)
+            with learn.ImportEffects() as effects:
+                entry = import_entry(module, probe)
+            if entry.driver_initialized or entry.torch_cuda_initialized or entry.python_threads:
+                dirty = entry
+                break
+            if blocker is not None and unimport_blocked(blocker, blocked_before, module):
+                summary["guards_deferred"].append(module)
+                continue
+            # The step's own import must warn or print, not ours; and pytest must import its
+            # plugins itself, to rewrite their asserts.
+            unlearnable = effects.describe() or learn.reaches_test_runner(before)
+            if unlearnable:
+                learn.undo_import(before)
+                summary["unlearnable"][module] = unlearnable
+                continue
+            summary["loaded" if entry.ok else "failed"] += 1
+            summary["costs"][module] = entry.seconds
+            if not entry.ok:
+                summary["failed_modules"].append(module)
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    return summary, dirty
+
+
+def unimport_blocked(blocker: Blocker, blocked_before: int, module: str) -> bool:
+    """A learned module whose import tried a deferred package (``try: import fakegeo / except
+    ImportError: HAVE_GEO = False``) would keep what the block made of it in every step: the
+    modules on the way to the blocked import that this import loaded are taken out of
+    ``sys.modules`` again, so steps import them fresh. True if there were any."""
+    stacks = blocker.stacks[blocked_before:]
+    if not stacks:
+        return False
+    del blocker.stacks[blocked_before:]  # no cut to replay: the step imports them itself
+    on_the_way = {frame.module for _, _, frames in stacks for frame in frames if frame.is_module}
+    for name in on_the_way | {module}:
+        sys.modules.pop(name, None)
+    return True
