@@ -107,9 +107,9 @@ def test_sending_to_a_vanished_peer_does_not_raise(pair):
 
 def test_every_event_the_package_sends_is_declared():
     import re
-    package = os.path.dirname(protocol.__file__)
+    import pathlib
+    package = pathlib.Path(protocol.__file__).parent
     sent = set()
-    for name in os.listdir(package):
-        if name.endswith(".py"):
-            sent |= set(re.findall(r'send_event\([^,]+, "(\w+)"', open(os.path.join(package, name)).read()))
-    assert sent and sent <= set(protocol.EVENTS), sent - set(protocol.EVENTS)
+    for path in package.rglob("*.py"):  # every stage's folder
+        sent |= set(re.findall(r'send_event\([^,]+, "(\w+)"', path.read_text()))
+    assert {"exit", "exec", "fresh"} <= sent <= set(protocol.EVENTS), sent - set(protocol.EVENTS)
