@@ -112,4 +112,4 @@ def test_every_event_the_package_sends_is_declared():
     sent = set()
     for path in package.rglob("*.py"):  # every stage's folder
         sent |= set(re.findall(r'send_event\([^,]+, "(\w+)"', path.read_text()))
-    assert {"exit", "exec", "fresh"} <= sent <= set(protocol.EVENTS), sent - set(protocol.EVENTS)
+    assert {"exit", "exec", "started"} <= sent <= set(protocol.EVENTS), sent - set(protocol.EVENTS)
