@@ -43,7 +43,8 @@ def no_daemon(runtime_base):
 def signalled(way, sig, target, command, env=None, tmp_path=None, name="plain"):
     """How ``command`` ended after ``sig``, and what its handler saved (``signalled.py``)."""
     saved = tmp_path / f"saved-{name}"
-    done = subprocess.run([PY, program("signalled.py"), way, str(int(sig)), target, "--",
+    sig = sig if isinstance(sig, str) else str(int(sig))  # a number ("stop" is a word)
+    done = subprocess.run([PY, program("signalled.py"), way, sig, target, "--",
                            *[str(saved) if part == "SAVED" else part for part in command]],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
