@@ -231,3 +231,22 @@ def test_settings_a_library_scans_the_environment_for_are_read_as_fresh(tmp_path
         assert ours.via == "subprocess" and "TQDM_" in ours.reason
     else:
         assert ours.via == "zygote", ours.reason  # by a zygote started with it
+
+
+def test_a_name_a_module_puts_under_itself_comes_back_with_it(tmp_path):
+    """A module that is no package may put names under its own in ``sys.modules`` (``typing``
+    puts ``typing.io`` there on 3.10, which pip's certifi imports): importing such a name
+    after a preloaded import finds it, as in a fresh interpreter."""
+    (tmp_path / "aliasing.py").write_text(
+        "import sys, types\nview = types.ModuleType('aliasing.view')\nview.VALUE = 42\n"
+        "sys.modules['aliasing.view'] = view\n")
+    env = fresh_env(PYTHONPATH=str(tmp_path), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    code = "from aliasing.view import VALUE\nimport aliasing.view\nprint(VALUE)\n"
+    launcher = Launcher(["json", "aliasing"])
+    try:
+        got = launcher.run([PY, "-c", code], env=env, timeout=120)
+    finally:
+        launcher.close()
+    ref = plain([PY, "-c", code], env=env, timeout=120)
+    assert (got.via, got.returncode, got.stdout) == ("zygote", 0, ref.stdout) == \
+        ("zygote", 0, "42\n")

@@ -191,6 +191,9 @@ def reads_of(name: str) -> dict[str, Optional[str]]:
 _order: dict[str, int] = {}  # the zygote's import order
 _closures: dict[str, tuple[str, ...]] = {}  # a root -> its closure, in import order
 _closure_tops: dict[str, frozenset] = {}  # a root -> the top-level names in its closure
+# A module that is no package -> the names under it in ``sys.modules``: entries its import put
+# there itself (``typing.io`` on 3.10), which no import can find again (not a package).
+_aliases: dict[str, tuple[str, ...]] = {}
 
 
 def _walk(name: str, present) -> set[str]:
@@ -216,6 +219,11 @@ def _prepare() -> None:
     _order.update((name, i) for i, name in enumerate(sys.modules))
     _closures.clear()
     _closure_tops.clear()
+    _aliases.clear()
+    for name in sys.modules:
+        parent = name.rpartition(".")[0]
+        if parent and not hasattr(sys.modules.get(parent), "__path__"):
+            _aliases[parent] = _aliases.get(parent, ()) + (name,)
     roots = {n for n in sys.modules if "." not in n} | (_roots & set(sys.modules))
     for root in roots:
         found = _walk(root, sys.modules)
@@ -297,6 +305,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         else:
             tops = _closure_tops[name]
         names = [n for n in closure if n in self.stash]
+        names += [a for n in names for a in _aliases.get(n, ()) if a in self.stash]
         if _attached:
             names = list(dict.fromkeys(
                 names + [a for n in names for a in _attached.get(n, ()) if a in self.stash]))
