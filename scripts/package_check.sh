@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 work=$(mktemp -d -t pl-package-XXXXXX)
-made=("$work")  # and what the build writes into the source tree, where it was not there before
+# Sockets need a short path whatever TMPDIR is (107 bytes at most): the runtime folder sits in /tmp.
+run=$(mktemp -d /tmp/pl-run-XXXXXX)
+made=("$work" "$run")  # and what the build writes into the source tree, where it was not there before
 for own in build preload_launcher.egg-info; do [ -e "$own" ] || made+=("$PWD/$own"); done
 trap 'rm -rf "${made[@]}"' EXIT
 quiet() { "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
@@ -24,8 +26,7 @@ done
 $py -m venv "$work/venv"
 quiet "$work/venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel" pytest
 cd "$work"  # outside the source tree: only the installed wheel can be imported
-export XDG_RUNTIME_DIR="$work/run" PRELOAD_LAUNCHER_CACHE_DIR="$work/cache" PRELOAD_LAUNCHER_MODULES=json
-mkdir -m 700 "$XDG_RUNTIME_DIR"
+export XDG_RUNTIME_DIR="$run" PRELOAD_LAUNCHER_CACHE_DIR="$work/cache" PRELOAD_LAUNCHER_MODULES=json
 version=$("$work/venv/bin/python" -c "import preload_launcher; print(preload_launcher.__version__)")
 [ "$("$work/venv/bin/preload-launcher" --version)" = "preload-launcher $version" ]
 "$work/venv/bin/python" - <<'PY'
