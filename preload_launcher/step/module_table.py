@@ -305,7 +305,8 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         else:
             tops = _closure_tops[name]
         names = [n for n in closure if n in self.stash]
-        names += [a for n in names for a in _aliases.get(n, ()) if a in self.stash]
+        names += [a for n in names for a in _aliases.get(n, ())
+                  if a in self.stash and a not in closure]  # the closure may hold it already
         if _attached:
             names = list(dict.fromkeys(
                 names + [a for n in names for a in _attached.get(n, ()) if a in self.stash]))
