@@ -19,11 +19,6 @@ pytest_plugins = ["pytester"]
 TORCH_FIXTURES = {"torch_launcher", "warm_torch_launcher"}
 
 
-@pytest.hookimpl(trylast=True)  # after the plugin has ended the session's zygote (it may still
-def pytest_unconfigure(config):  # be preloading, and would write its cache here afterwards)
-    suite_dirs.remove()
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     """Nothing is left in the temporary directory of the programs the suite started (only the

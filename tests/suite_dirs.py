@@ -14,6 +14,8 @@ import pathlib
 import shutil
 import tempfile
 
+import pytest
+
 __all__ = ["ROOT", "TMP", "OWNER", "short_dir", "leftovers", "remove"]
 
 ROOT_ENV = "PL_TESTS_ROOT"
@@ -61,3 +63,10 @@ def leftovers() -> list[str]:
 def remove() -> None:
     if OWNER:
         shutil.rmtree(ROOT, ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)  # after the plugin has ended the session's zygote (it may still
+def pytest_unconfigure(config):  # be preloading, and would write its cache here afterwards)
+    """The session that made the root removes it: the suite's, and any other session the ini
+    loads this plugin in (the demo's example suite)."""
+    remove()
