@@ -1,12 +1,17 @@
-"""A 2-node x 2-rank torchrun job (gloo, CPU) on this machine: both nodes as plain torchruns
-against both nodes through one warm zygote (each node's launch forked, its ranks too), N runs
-each, alternating. The wall time is from starting both nodes to both ending.
+"""A 2-node torchrun job on this machine: both nodes as plain torchruns against both nodes
+through one warm zygote (each node's launch forked, its ranks too), N runs each, alternating.
+The wall time is from starting both nodes to both ending.
 
-    PYTHONPATH=. python scripts/bench_nodes.py 5
+    PYTHONPATH=. python scripts/bench_nodes.py 5                      # 2 x 2 ranks, gloo, torch
+    python3 scripts/bench_nodes.py 3 --nproc 1 --backend nccl --modules torch,megatron.core
+
+Each rank imports the preloaded modules (as a real step does), joins the process group and
+all-reduces one tensor (on its GPU with nccl: LOCAL_RANK's device).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import statistics
@@ -21,13 +26,21 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from preload_launcher import Launcher  # noqa: E402
 
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-STEP = ("import torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
-        "t = torch.ones(1)\n"
-        "dist.all_reduce(t)\n"
-        "assert t.item() == dist.get_world_size()\n"
-        "dist.destroy_process_group()\n")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # wherever the image put torchrun
+STEP = """import importlib, os, sys
+for name in sys.argv[2].split(","):
+    importlib.import_module(name)
+import torch, torch.distributed as dist
+backend = sys.argv[1]
+device = f"cuda:{os.environ['LOCAL_RANK']}" if backend == "nccl" else "cpu"
+if backend == "nccl":
+    torch.cuda.set_device(device)
+dist.init_process_group(backend)
+t = torch.ones(1, device=device)
+dist.all_reduce(t)
+assert t.item() == dist.get_world_size()
+dist.destroy_process_group()
+"""
 
 
 def free_port() -> int:
@@ -36,11 +49,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job(launcher, script: str) -> float:
+def job(launcher, script: str, opts) -> float:
     """Both nodes at once (c10d at one endpoint); the seconds until both ended."""
     port, codes = free_port(), []
-    args = [TORCHRUN, "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench", script]
+    args = [*TORCHRUN, "--nnodes=2", f"--nproc-per-node={opts.nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench", script, opts.backend,
+            opts.modules]
 
     def node() -> None:
         if launcher is None:
@@ -59,25 +73,39 @@ def job(launcher, script: str) -> float:
     return time.perf_counter() - start
 
 
-def main(runs: int) -> None:
-    launcher = Launcher(["torch"])
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("runs", type=int, nargs="?", default=5)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--modules", default="torch", help="preloaded, and imported by each rank")
+    opts = parser.parse_args()
+    runs = opts.runs
+    if opts.backend == "nccl":
+        gpus = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                                  capture_output=True, text=True).stdout or 0)
+        if gpus < 2 * opts.nproc:
+            sys.exit(f"nccl: both nodes run on this machine, so each of the {2 * opts.nproc} ranks "
+                     f"needs a GPU of its own (NCCL refuses two ranks on one GPU); {gpus} here")
+    launcher = Launcher(opts.modules.split(","))
     with tempfile.TemporaryDirectory() as folder:
         script = os.path.join(folder, "step.py")
         with open(script, "w") as f:
             f.write(STEP)
         try:
             launcher.zygote_for(dict(os.environ))
-            job(launcher, script)  # not counted: the first
+            job(launcher, script, opts)  # not counted: the first
             times: dict[str, list[float]] = {"plain torchrun": [], "forked": []}
             for _ in range(runs):
-                times["plain torchrun"].append(job(None, script))
-                times["forked"].append(job(launcher, script))
+                times["plain torchrun"].append(job(None, script, opts))
+                times["forked"].append(job(launcher, script, opts))
             for name, values in times.items():
                 print(f"{name:15} median {statistics.median(values):6.2f} s   "
-                      f"fastest {min(values):6.2f} s   ({runs} runs, 2 nodes x 2 ranks)")
+                      f"fastest {min(values):6.2f} s   ({runs} runs, 2 nodes x {opts.nproc} "
+                      f"ranks, {opts.backend}, {opts.modules})", flush=True)
         finally:
             launcher.close()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    main()

@@ -6,7 +6,7 @@
 #   here:  bash scripts/gpu/modelopt_lane.sh prepare; bash scripts/gpu/transformer_engine.sh fetch
 #          bash scripts/gpu/lanes.sh split-te 20000000   # .te/parts: a small first part, 4 large
 #          bash scripts/gpu/lanes.sh prepare-bridge      # .whl-bridge: megatron-bridge's runtime
-#   there: bash scripts/gpu/lanes.sh setup [ext] [te] [lane NAME LANES ARGS...] ...
+#   there: bash scripts/gpu/lanes.sh setup [ext] [te] [captured] [native-env] [nodes] [lane NAME LANES ARGS...] ...
 #          the first call carries .whl .modelopt .te/build .te/parts/core.00, each later call one
 #          more part, the sixth .whl-bridge; `te` (once every part is there) joins, installs and
 #          builds Transformer Engine. (.whl, .whl-bridge, .te, .modelopt: in .git/info/exclude.)
@@ -76,6 +76,15 @@ lane() {  # NAME LANES [modelopt_lane.py options]
   tar czf "$OUTDIR/$name.tgz" -C /tmp "lane-$name"
 }
 
+probe() {  # NAME PYTHONPATH COMMAND...: a probe's output to $OUT/NAME.log (and its tail here)
+  local name=$1 path=$2
+  shift 2
+  mkdir -p "$OUTDIR"
+  stamp "probe $name: $*"
+  PYTHONPATH=$path PYTHONUNBUFFERED=1 timeout 400 "$@" > "$OUTDIR/$name.log" 2>&1 || echo "probe $name: exit $?"
+  tail -n 25 "$OUTDIR/$name.log"
+}
+
 prepare_bridge() {  # here: what megatron-bridge 0.6.2's distill steps import that the image lacks
   local plat=(--python-version 3.12 --implementation cp --platform any --platform manylinux_2_17_x86_64
               --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64
@@ -104,6 +113,17 @@ while [ $# -gt 0 ]; do
   setup) setup; shift ;;
   ext) ext; shift ;;
   te) te; shift ;;
+  # the product's own H200 probes: kept device queries + torch.compile in forked steps; which
+  # variables the stack's native code reads at import; a 2-node torchrun job plain vs forked
+  captured) probe captured_cuda "" python3 scripts/gpu/captured_cuda.py
+            probe captured_cuda_mcore $MCORE python3 scripts/gpu/captured_cuda.py \
+              --modules torch,torch._dynamo,megatron.core; shift ;;
+  native-env) probe native_env_reads $MO:$MCORE bash scripts/native_env_reads.sh \
+                torch,transformer_engine.pytorch,megatron.core,modelopt.torch,transformers; shift ;;
+  nodes) probe nodes_nccl $MCORE python3 scripts/bench_nodes.py 3 --nproc 1 --backend nccl \
+           --modules torch,megatron.core
+         probe nodes_gloo $MCORE python3 scripts/bench_nodes.py 3 --nproc 1 --backend gloo \
+           --modules torch,megatron.core; shift ;;
   split-te) split_te "$2"; shift 2 ;;
   prepare-bridge) prepare_bridge; shift ;;
   lane)  # everything up to the next `--` belongs to this lane
