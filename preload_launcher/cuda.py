@@ -167,19 +167,31 @@ def _nvml_device_answers(real: Mapping[str, Callable]):
         return name.decode() if isinstance(name, bytes) else name
 
     class _Properties:
-        """The fields NVML can answer truthfully. One a preloaded module kept from its import
-        answers the rest (multiprocessor count, ...) from torch once the preload is over."""
+        """While preloading, the fields NVML can answer. Once the preload is over, an object a
+        preloaded module kept from its import answers every field from torch's own object,
+        those NVML gave too (CUDA's total memory is not NVML's), as if torch had made it then."""
 
         def __init__(self, device=None):
             self._device = device
-            self.name = get_device_name(device)
-            self.major, self.minor = get_device_capability(device)
-            self.total_memory = pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total
+            self._nvml = {"name": get_device_name(device),
+                          "total_memory": pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total}
+            self._nvml["major"], self._nvml["minor"] = get_device_capability(device)
 
         def __getattr__(self, name):
-            if name.startswith("_") or _answers is not None:  # still preloading: CUDA is off
+            if name.startswith("_"):
                 raise AttributeError(f"'_Properties' object has no attribute {name!r}")
-            return getattr(real["get_device_properties"](self._device), name)
+            if _answers is None:  # the preload is over: CUDA may answer
+                return getattr(real["get_device_properties"](self._device), name)
+            try:
+                return self._nvml[name]
+            except KeyError:
+                raise AttributeError(
+                    f"'_Properties' object has no attribute {name!r}") from None
+
+        def __repr__(self):
+            if _answers is None:
+                return repr(real["get_device_properties"](self._device))
+            return f"_Properties({', '.join(f'{k}={v!r}' for k, v in self._nvml.items())})"
 
     def device_count():
         return visible_count(count)

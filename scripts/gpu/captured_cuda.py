@@ -29,14 +29,16 @@ sys.path.insert(0, ROOT)
 
 from preload_launcher import Launcher  # noqa: E402
 
-KEEPER = '''import torch
+KEEPER = '''import os
+import torch
+IMPORTED_IN = os.getpid()  # another process's pid in a step: the zygote imported this module
 from torch.cuda import get_device_capability, get_device_properties
 PROPS = torch.cuda.get_device_properties(0)  # an object obtained while importing
 '''
 
 STEP = '''import json, os, sys
-preloaded = "keeps_cuda" in sys.modules
 import torch, keeps_cuda
+preloaded = keeps_cuda.IMPORTED_IN != os.getpid()
 from torch._dynamo.device_interface import get_interface_for_device
 from torch._inductor.utils import is_big_gpu
 
@@ -66,6 +68,20 @@ def reports(output: str) -> list[dict]:
     return [json.loads(line) for line in output.splitlines() if line.startswith('{"')]
 
 
+def nvml_memory() -> str:
+    """NVML's memory figures (the NVML answers' total_memory while preloading is NVML's total)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        v1 = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        return f"total {v1.total}; v2 total {v2.total} reserved {v2.reserved} " \
+               f"(total - reserved {v2.total - v2.reserved})"
+    except Exception as err:  # an older nvidia-ml-py has no v2
+        return f"{type(err).__name__}: {err}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--modules", default="torch,torch._dynamo",
@@ -86,6 +102,7 @@ def main() -> int:
     commands = {"python": [sys.executable, step],
                 "torchrun": [sys.executable, "-m", "torch.distributed.run",
                              "--nproc-per-node", "1", step]}
+    print(f"# NVML: {nvml_memory()}", flush=True)
     launcher = Launcher(modules)
     ok = True
     try:

@@ -115,9 +115,9 @@ while [ $# -gt 0 ]; do
   te) te; shift ;;
   # the product's own H200 probes: kept device queries + torch.compile in forked steps; which
   # variables the stack's native code reads at import; a 2-node torchrun job plain vs forked
-  captured) probe captured_cuda "" python3 scripts/gpu/captured_cuda.py
-            probe captured_cuda_mcore $MCORE python3 scripts/gpu/captured_cuda.py \
-              --modules torch,torch._dynamo,megatron.core; shift ;;
+  captured) probe captured_cuda "" python3 scripts/gpu/captured_cuda.py; shift ;;
+  captured-mcore) probe captured_cuda_mcore $MCORE python3 scripts/gpu/captured_cuda.py \
+                    --modules torch,torch._dynamo,megatron.core; shift ;;
   native-env) probe native_env_reads $MO:$MCORE bash scripts/native_env_reads.sh \
                 torch,transformer_engine.pytorch,megatron.core,modelopt.torch,transformers; shift ;;
   nodes) probe nodes_nccl $MCORE python3 scripts/bench_nodes.py 3 --nproc 1 --backend nccl \

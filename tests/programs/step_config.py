@@ -21,6 +21,7 @@ import torch.distributed  # noqa: E402
 import captures_cuda  # noqa: E402
 
 NO_ARGUMENT = {"current_device", "device_count", "is_available"}
+PROPERTY_FIELDS = ("name", "major", "minor", "total_memory", "multi_processor_count")
 
 
 def answer(fn, *args):
@@ -43,6 +44,11 @@ seen = {
     "rank": os.environ.get("RANK"),
     "captured": {name: answer(fn, *(() if name in NO_ARGUMENT else (0,)))
                  for name, fn in captures_cuda.CAPTURED.items()},
+    # A properties object kept from the import answers every field as torch's own does now.
+    "kept_properties_agree": captures_cuda.PROPERTIES is None or all(
+        answer(lambda k=k: getattr(captures_cuda.PROPERTIES, k))
+        == answer(lambda k=k: getattr(torch.cuda.get_device_properties(0), k))
+        for k in PROPERTY_FIELDS),
     "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
     "tzname": list(time.tzname),
     "timezone": [time.timezone, time.altzone, time.daylight],

@@ -6,6 +6,12 @@ from torch.cuda import (current_device, device_count, get_device_capability,  # 
                         get_device_name, get_device_properties, is_available)
 
 
+try:  # an object obtained while importing: the launcher's NVML answer while preloading
+    PROPERTIES = torch.cuda.get_device_properties(0)
+except (AssertionError, RuntimeError):  # no CUDA here: a fresh interpreter keeps nothing
+    PROPERTIES = None
+
+
 class Interface:
     properties = staticmethod(torch.cuda.get_device_properties)
 
