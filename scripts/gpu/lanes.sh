@@ -37,6 +37,12 @@ setup() {
   if [ -d .whl-bridge ] && [ ! -d /tmp/site-energon ]; then
     "${PIP[@]}" --target /tmp/site-energon .whl-bridge/*.whl
   fi
+  # nvidia-resiliency-ext 0.4.1 (the newest wheel) is a namespace package with no __version__,
+  # which megatron-core 0.19.2 reads (dist_checkpointing/strategies/nvrx.py): give it its own.
+  local nvrx=/tmp/site-energon/nvidia_resiliency_ext
+  if [ -d $nvrx ] && [ ! -f $nvrx/__init__.py ]; then
+    echo 'from importlib.metadata import version; __version__ = version("nvidia-resiliency-ext")' > $nvrx/__init__.py
+  fi
   [ -d $MO ] || cp -a .modelopt $MO
   if [ -d .te ]; then bash scripts/gpu/transformer_engine.sh receive | tail -n 12; fi
   stamp "setup done; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
