@@ -137,6 +137,30 @@ def nvml_device_count(environ: Mapping[str, str] = os.environ) -> int:
     return visible_count(_nvml_physical_count()[1], environ)
 
 
+class _Properties:
+    """While preloading, the fields NVML can answer. Once the preload is over, an object a
+    preloaded module kept from its import answers every field from torch's own object, those
+    NVML gave too (CUDA's total memory is not NVML's), as if torch had made it then."""
+
+    def __init__(self, device, nvml: dict, torchs: Callable):
+        self._device, self._nvml, self._torchs = device, nvml, torchs
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(f"'_Properties' object has no attribute {name!r}")
+        if _answers is None:  # the preload is over: CUDA may answer
+            return getattr(self._torchs(self._device), name)
+        try:
+            return self._nvml[name]
+        except KeyError:
+            raise AttributeError(f"'_Properties' object has no attribute {name!r}") from None
+
+    def __repr__(self):
+        if _answers is None:
+            return repr(self._torchs(self._device))
+        return f"_Properties({', '.join(f'{k}={v!r}' for k, v in self._nvml.items())})"
+
+
 def _nvml_device_answers(real: Mapping[str, Callable]):
     """Replacement ``torch.cuda`` query functions backed by NVML, or None without NVML.
     ``real``: torch's own functions, which a properties object asks for what NVML cannot say
@@ -166,32 +190,11 @@ def _nvml_device_answers(real: Mapping[str, Callable]):
         name = pynvml.nvmlDeviceGetName(handle(device))
         return name.decode() if isinstance(name, bytes) else name
 
-    class _Properties:
-        """While preloading, the fields NVML can answer. Once the preload is over, an object a
-        preloaded module kept from its import answers every field from torch's own object,
-        those NVML gave too (CUDA's total memory is not NVML's), as if torch had made it then."""
-
-        def __init__(self, device=None):
-            self._device = device
-            self._nvml = {"name": get_device_name(device),
-                          "total_memory": pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total}
-            self._nvml["major"], self._nvml["minor"] = get_device_capability(device)
-
-        def __getattr__(self, name):
-            if name.startswith("_"):
-                raise AttributeError(f"'_Properties' object has no attribute {name!r}")
-            if _answers is None:  # the preload is over: CUDA may answer
-                return getattr(real["get_device_properties"](self._device), name)
-            try:
-                return self._nvml[name]
-            except KeyError:
-                raise AttributeError(
-                    f"'_Properties' object has no attribute {name!r}") from None
-
-        def __repr__(self):
-            if _answers is None:
-                return repr(real["get_device_properties"](self._device))
-            return f"_Properties({', '.join(f'{k}={v!r}' for k, v in self._nvml.items())})"
+    def get_device_properties(device=None):
+        nvml = {"name": get_device_name(device),
+                "total_memory": pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total}
+        nvml["major"], nvml["minor"] = get_device_capability(device)
+        return _Properties(device, nvml, real["get_device_properties"])
 
     def device_count():
         return visible_count(count)
@@ -199,7 +202,7 @@ def _nvml_device_answers(real: Mapping[str, Callable]):
     return {
         "get_device_capability": get_device_capability,
         "get_device_name": get_device_name,
-        "get_device_properties": lambda device=None: _Properties(device),
+        "get_device_properties": get_device_properties,
         "current_device": lambda: 0,
         "device_count": device_count,
         "is_available": lambda: device_count() > 0,

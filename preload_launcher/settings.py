@@ -41,8 +41,11 @@ TERMINAL_ENV = ("COLUMNS", "LINES")
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS")
 
 # Read by the stack's native code when its libraries load (getenv calls seen while importing
-# torch, numpy, megatron.core and modelopt.torch), with no API to apply another value later: a
+# torch, numpy, megatron.core and modelopt.torch on a CPU machine; torch+CUDA, Transformer
+# Engine, megatron.core, modelopt.torch and transformers on an H200: scripts/native_env_reads.sh,
+# docs/runs/2026-12-03-h200-native_env_reads.log), with no API to apply another value later: a
 # zygote serves only steps that agree with it on these, as on the variables its imports read.
+# (The CUDA driver's own variables are read at cuInit, which happens in the step.)
 # "X*" stands for every variable named X... (THREAD_ENV aside: each step sets those itself).
 # What a library does offer an API for is re-read in each step instead (``native_env``: the
 # time zone, torch.distributed's debug level; ``threads``: pool sizes).
@@ -64,9 +67,25 @@ NATIVE_ENV = (
     "PYTORCH_JIT_LOG_LEVEL", "TORCH_JIT_DISABLE_NEW_EXECUTOR",  # the profiler, the JIT
     "TORCH_LINALG_PREFER_HIPSOLVER", "TORCH_BLAS_PREFER_HIPBLASLT",  # and on ROCm builds
     "TORCH_ROCM_FA_PREFER_CK",
-    "OPENSSL_ia32cap", "OPENSSL_CONF",  # OpenSSL (through _ssl/_hashlib): CPU features, config
-    "PSUTIL_DEBUG",  # psutil's C extension
-    "MALLOC_*", "GLIBC_TUNABLES",  # glibc's allocator, set up at process start
+    "OPENSSL_*",  # OpenSSL (through _ssl/_hashlib): CPU features, config, FIPS mode
+    "PSUTIL_*",  # psutil's C extension
+    "MALLOC_*", "GLIBC_TUNABLES", "GLIBCXX_TUNABLES",  # the C and C++ runtimes, at start
+    # CUDA builds of torch: the caching allocator's configuration (a script's own
+    # PYTORCH_CUDA_ALLOC_CONF before `import torch` included), launch blocking, device-side
+    # assertions, symmetric memory, vitals; the CUDA libraries' logging and switches
+    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
+    "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_DSA_STACKTRACING", "PYTORCH_USE_CUDA_DSA",
+    "TORCH_SYMMMEM", "TORCH_VITAL", "CUDA_LOG_FILE", "ATEN_CPU_CAPABILITY",
+    "CUBLAS_*", "CUBLASLT_*", "CUDNN_*", "CASK_*", "NVRTC_*", "LIBNVVM_*", "NV_NVVM_VERSION",
+    "LLVM_*", "AS_SECURE_LOG_FILE", "PTXAS_OPTIONS",
+    "TRITON_ENABLE_PYTHON_STACKTRACE", "TRITON_INSTRUMENTATION_MODE", "TRITON_DEBUG",
+    "TRITON_INTERPRET", "TRITON_CACHE_AUTOTUNING",  # triton's native library
+    "TF_*", "GCS_*", "GRPC_*", "MPITRAMPOLINE_*",  # jaxlib's runtime, where jax is installed
+    "LOCALTIME", "SQLITE_TMPDIR",  # absl's time zone; SQLite's temporary folder
+    # transformers' tokenizers (Rust: its logger), pyarrow (allocator, SIMD level, its bundled
+    # SSL and cloud clients), FreeType
+    "TOKENIZERS_LOG", "RUST_LOG_STYLE", "NO_COLOR", "CLICOLOR", "CLICOLOR_FORCE",
+    "ARROW_*", "JE_ARROW_MALLOC_CONF", "AZURE_LOG_LEVEL", "SSLKEYLOGFILE", "FREETYPE_PROPERTIES",
 )
 
 # Set by the zygote for its own re-exec: the quarantine so far, and "restarted after a change".

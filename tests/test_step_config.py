@@ -13,6 +13,7 @@ each under environments the zygote did not have. A machine without GPUs gets a s
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +187,30 @@ def test_every_variable_native_code_reads_at_load_is_handled():
     handled = set(REREAD) | set(THREAD_ENV) | set(NATIVE_ENV)
     assert "OMP_PROC_BIND" in read and "TORCH_SHOW_CPP_STACKTRACES" in read, read
     assert [n for n in read if n not in handled and not n.startswith(families)] == []
+
+
+# Read by the CUDA driver at cuInit (megatron.core's import initialises CUDA in a plain
+# interpreter; in a forked step cuInit, and these reads, happen in the step itself), and NVML's
+# own debug switches, read when the zygote asks NVML (a machine-wide answer).
+AT_CUINIT = ("CUDA_", "CUDBG_", "NV_PROFILE_", "NV_OPENCL_", "NVCL_", "__RM_", "__CUDA_",
+             "__NVML_", "__NVIDIA_NVML_", "FORCE_ENABLE_COOPERATIVE_LAUNCH_PATCH", "HOME")
+
+
+def test_every_variable_the_h200_stack_reads_at_load_is_handled():
+    """The same rule for what the GPU image's stack read on an H200 (torch+CUDA, Transformer
+    Engine, megatron.core, modelopt.torch, transformers; the committed output of
+    ``lanes.sh native-env``): each variable is re-read in the step, routed on, or read by the
+    CUDA driver at cuInit, which a forked step does itself."""
+    log = os.path.join(ROOT, "docs", "runs", "2026-12-03-h200-native_env_reads.log")
+    with open(log) as f:  # variable names only (the log also has the compiler's words)
+        read = [line.strip() for line in f if re.fullmatch(r"[A-Z_][A-Za-z0-9_]*\n?", line)]
+    families = tuple(entry[:-1] for entry in NATIVE_ENV if entry.endswith("*"))
+    # TMPDIR: SQLite's, once a preloaded import opened a database (a known difference in
+    # docs/user-guide.md: routing on it would split zygotes by every test's TMPDIR).
+    handled = set(REREAD) | set(THREAD_ENV) | set(NATIVE_ENV) | {"TMPDIR"}
+    assert "PYTORCH_CUDA_ALLOC_CONF" in read and "CUBLAS_LOGINFO_DBG" in read, read
+    left = [n for n in read if n not in handled and not n.startswith(families + AT_CUINIT)]
+    assert left == []
 
 
 def test_a_collective_mismatch_is_detected_in_forked_ranks_as_under_torchrun():
