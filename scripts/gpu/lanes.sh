@@ -122,6 +122,7 @@ while [ $# -gt 0 ]; do
   # the product's own H200 probes: kept device queries + torch.compile in forked steps; which
   # variables the stack's native code reads at import; a 2-node torchrun job plain vs forked
   captured) probe captured_cuda "" python3 scripts/gpu/captured_cuda.py; shift ;;
+  alloc-conf) probe alloc_conf "" python3 scripts/gpu/alloc_conf.py; shift ;;
   captured-mcore) probe captured_cuda_mcore $MCORE python3 scripts/gpu/captured_cuda.py \
                     --modules torch,torch._dynamo,megatron.core; shift ;;
   native-env) probe native_env_reads $MO:$MCORE bash scripts/native_env_reads.sh \
