@@ -6,6 +6,14 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 step() { if [ -t 1 ]; then echo "install.sh: $*"; fi; }
 pip_install() { $py -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# An interpreter its OS manages (PEP 668: Debian's /usr/bin/python3) refuses pip installs.
+if $py -c "import os, sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and os.path.exists(
+    os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED'))))"; then
+  echo "install.sh: $($py -c 'import sys; print(sys.executable)') is managed by the OS (PEP 668);" \
+       "make a venv and name it: python3 -m venv .venv, then PYTHON=.venv/bin/python bash" \
+       "scripts/test.sh (or demo.sh)" >&2
+  exit 1
+fi
 # torch first, pinned to the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 step "torch 2.13.0 (CPU build)…"
 pip_install "torch==2.13.0"
