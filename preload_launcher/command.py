@@ -15,7 +15,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
-__all__ = ["StepSpec", "PythonTarget", "Unsupported", "parse_command", "parse_python_argv"]
+__all__ = ["StepSpec", "PythonTarget", "Unsupported", "parse_command", "parse_python_argv",
+           "runner_env", "runner_env_of", "import_environment"]
 
 # -X options that can be honoured in a forked child (others, warn_default_encoding among them,
 # set sys.flags at interpreter start-up).
@@ -36,6 +37,8 @@ class PythonTarget:
     xoptions: list[str] = field(default_factory=list)
     executable: str = ""  # sys.executable as python computes it from argv[0] ("" = the zygote's)
     file_as_given: bool = False  # __main__.__file__ as given (runpy.run_path: torchrun --run-path)
+    # What the test runner it starts sets in its own process before any test code (runner_env).
+    runner_env: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +66,10 @@ class StepSpec:
     def to_json_dict(self) -> dict:
         return asdict(self)
 
+    def import_env(self) -> dict[str, str]:
+        """The environment a zygote is chosen by (``import_environment``)."""
+        return import_environment(self.to_json_dict())
+
     @classmethod
     def from_json_dict(cls, data: dict) -> "StepSpec":
         target = data.get("target")
@@ -74,6 +81,46 @@ class Unsupported:
     """The command is not one the zygote serves; ``reason`` says why."""
 
     reason: str
+
+
+# A test runner's own settings: pytest sets PYTEST_VERSION in its main(), before it loads a
+# conftest, keeps it for the whole run, and every program a test starts inherits it.
+PYTEST_NAMES = ("pytest", "py.test")
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_version(distribution: str) -> str:
+    import importlib.metadata  # only for a step that starts a test runner
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def runner_env(target: PythonTarget) -> dict[str, str]:
+    """What the test runner ``target`` starts (``python -m pytest``, the ``pytest`` console
+    script) sets in its own process before it imports a test's code: the environment its
+    imports and its tests' programs see. A preloaded module may read it at import (modelopt's
+    triton kernels keep fewer autotune configs under pytest), so the step is matched with a
+    zygote, and its module table checked, as if it had started with it."""
+    runs_pytest = (target.kind == "module" and target.value in PYTEST_NAMES) or (
+        target.kind == "script" and os.path.basename(target.value) in PYTEST_NAMES)
+    version = _installed_version("pytest") if runs_pytest else ""
+    return {"PYTEST_VERSION": version} if version else {}
+
+
+def runner_env_of(args: list[str]) -> dict[str, str]:
+    """``runner_env`` of a command line (``{}`` for anything but a test runner)."""
+    if args and os.path.basename(args[0]) in PYTEST_NAMES:
+        return runner_env(PythonTarget(kind="script", value=args[0]))
+    target = parse_python_argv(list(args)) if args and _looks_like_python(args[0]) else None
+    return runner_env(target) if isinstance(target, PythonTarget) else {}
+
+
+def import_environment(spec: dict) -> dict[str, str]:
+    """A step's environment (``StepSpec.to_json_dict()``) as its imports see it, where a
+    zygote's choice goes: its own, with what the test runner it starts sets for itself."""
+    return {**spec["env"], **((spec.get("target") or {}).get("runner_env") or {})}
 
 
 def _shebang_interpreter(path: str) -> Optional[str]:
@@ -196,6 +243,7 @@ def _console_script_step(args: list[str], env: dict[str, str], cwd: str) -> Opti
         return None
     target = PythonTarget(kind="script", value=found, args=list(args[1:]), prog=interpreter,
                           executable=_invoked_path(interpreter, env, cwd))
+    target.runner_env = runner_env(target)
     return StepSpec(args=list(args), env=env, cwd=cwd, target=target)
 
 
@@ -309,6 +357,7 @@ def parse_command(args: list[str], env: dict[str, str], cwd: str) -> Union[StepS
     if refusal:
         return refusal
     target.executable = _invoked_path(program, env, cwd)
+    target.runner_env = runner_env(target)
     if target.kind == "module" and target.value == "torch.distributed.run":
         return StepSpec(args=list(args), env=env, cwd=cwd, torchrun_args=list(target.args))
     if target.kind == "module" and target.value == "accelerate.commands.launch":

@@ -37,6 +37,7 @@ started_key = pytest.StashKey[float]()
 named_key = pytest.StashKey[str]()  # where the preload list was named ("" for the default)
 suite_key = pytest.StashKey[bool]()  # suite_wide is installed in this process
 workers_key = pytest.StashKey[dict]()  # suite_wide's counts from the xdist workers
+passed_over_key = pytest.StashKey[list]()  # why a forking zygote or a daemon was not used
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -118,8 +119,7 @@ def _start_session_launcher(config: pytest.Config, option: Optional[bool],
     gpus = wanted.gpus or settings.parse_gpus(
         config.getini("preload_launcher_gpus") or "", "preload_launcher_gpus ini option")
     worker = getattr(config, "workerinput", None)
-    shared = ((worker or {}).get("preload_launcher_socket") or _forking_zygote(modules)
-              or _matching_daemon(modules))
+    shared = (worker or {}).get("preload_launcher_socket") or _shared_zygote(config, modules)
     launcher = client.Launcher(modules, profile=str(config.rootpath / profile) if profile else None,
                                gpus=gpus, shared_socket=shared)
     client.set_session_launcher(launcher)  # run() in this process uses the session's zygote
@@ -138,24 +138,42 @@ def _start_session_launcher(config: pytest.Config, option: Optional[bool],
         config.stash[suite_key] = True
 
 
-def _forking_zygote(modules) -> str:
-    """The socket of the zygote that forked this pytest (``preload-launcher run -- pytest``)
-    when it preloads this preload set for this environment, or "": its steps are then forked
-    beside this pytest instead of from a second zygote."""
-    zygote = client.ZygoteProcess.parent()
-    if zygote is None:
-        return ""
-    return zygote.socket_path if zygote.modules == list(modules) and zygote.matches(os.environ) \
-        else ""
+def _shared_zygote(config: pytest.Config, modules) -> str:
+    """The socket of the zygote that forked this pytest (``preload-launcher run -- pytest``),
+    else of a running ``serve`` daemon, that preloads this preload set for this environment:
+    the session's steps are then forked from it instead of from a second zygote; "" when none
+    does. Why one was passed over is kept for the summary."""
+    passed_over = []
+    for find in (client.ZygoteProcess.parent, lambda: _running_daemon(modules)):
+        zygote = find()
+        if zygote is None or zygote.modules != list(modules):
+            continue
+        differs = zygote.env_mismatch(os.environ)
+        if not differs:
+            return zygote.socket_path
+        note = (f"{_origin(zygote)} (pid {zygote.pid}) was not used: it was preloaded with "
+                f"other values of {', '.join(differs[:3])}")
+        if not any(f"(pid {zygote.pid})" in seen for seen in passed_over):
+            passed_over.append(note)
+    config.stash[passed_over_key] = passed_over
+    return ""
 
 
-def _matching_daemon(modules) -> str:
-    """The socket of a running ``serve`` daemon for this preload set and environment, or ""."""
+def _running_daemon(modules) -> Optional[client.ZygoteProcess]:
     try:
-        zygote, _ = daemon.find_daemon(modules)
+        return daemon.find_daemon(modules)[0]
     except (LauncherError, OSError):
-        return ""
-    return zygote.socket_path if zygote is not None and zygote.matches(os.environ) else ""
+        return None
+
+
+def _origin(zygote: client.ZygoteProcess) -> str:
+    """Whose the zygote is, as the summary names it."""
+    if zygote.process is not None:
+        return "started by this session"
+    kind = "daemon" if zygote.status.get("daemon") else "zygote"
+    if zygote.pid == os.getppid():
+        return f"the {kind} that forked this pytest"
+    return "a running daemon" if kind == "daemon" else "another process's"
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -194,7 +212,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         whom = "the workers" if config.pluginmanager.hasplugin("dsession") else "this session"
         _shared_summary(terminalreporter, launcher, whom)
         _suite_wide_summary(terminalreporter, config, launcher)
-        _lost_zygotes(terminalreporter, launcher, separator=True)
+        _notes(terminalreporter, config, launcher, separator=True)
         return
     tr = terminalreporter
     tr.write_sep("-", "preload_launcher")
@@ -211,7 +229,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     _suite_wide_summary(tr, config, launcher, separator=False)
     tr.write_line(f"zygotes started: {stats['zygotes_started']}; steps waited "
                   f"{stats['waited_s']:.1f} s in all for a zygote's preload")
-    _lost_zygotes(tr, launcher)
+    _notes(tr, config, launcher)
     if stats["gpu_waits"]:
         tr.write_line(f"GPU packing: {stats['gpu_waits']} steps were granted GPUs; they waited "
                       f"{stats['gpu_wait_s']:.1f} s in all for free ones")
@@ -219,8 +237,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         report = z.status.get("preload", {})
         if not report:
             continue
-        tr.write_line(f"zygote {z.status.get('pid')}: preloaded {', '.join(report['loaded']) or '(none)'}"
-                      f" in {report['seconds']:.1f} s")
+        tr.write_line(f"zygote {z.status.get('pid')} ({_origin(z)}): preloaded "
+                      f"{', '.join(report['loaded']) or '(none)'} in {report['seconds']:.1f} s")
         for entry, verdict in report.get("quarantined", {}).items():
             tr.write_line(f"  quarantined {entry}: {verdict['reason']} ({verdict['culprit']})")
         for line in format_deferred(report.get("deferred", {}), indent="  "):
@@ -230,13 +248,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
             tr.write_line(f"  {line}")
 
 
-def _lost_zygotes(tr, launcher: client.Launcher, separator: bool = False) -> None:
+def _notes(tr, config: pytest.Config, launcher: client.Launcher,
+           separator: bool = False) -> None:
     """A zygote that crashed or was killed mid-session: the session went on without it, and
-    says so (its log is kept)."""
-    lost = launcher.lost_zygotes()
-    if lost and separator:
+    says so (its log is kept); the zygote that forked this pytest, or a daemon, that was
+    passed over, and why."""
+    lines = launcher.lost_zygotes() + config.stash.get(passed_over_key, [])
+    if lines and separator:
         tr.write_sep("-", "preload_launcher")
-    for line in lost:
+    for line in lines:
         tr.write_line(line, yellow=True)
 
 
@@ -256,7 +276,7 @@ def _shared_summary(tr, launcher: client.Launcher, whom: str) -> None:
         if served <= 0:
             continue
         tr.write_sep("-", "preload_launcher")
-        tr.write_line(f"shared zygote {status['pid']}: served {served} steps for "
+        tr.write_line(f"shared zygote {status['pid']} ({_origin(z)}): served {served} steps for "
                       f"{whom}, preloaded {', '.join(status['preload'].get('loaded', []))}")
         packing = status.get("gpus")
         if packing and packing.get("granted_steps"):

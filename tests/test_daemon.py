@@ -205,3 +205,109 @@ def test_pytest_forked_from_a_one_off_zygote_runs_its_steps_from_it(daemon_env, 
     assert seen["pytest_parent"] == seen["step_parent"] and seen["via"] == "zygote"
     assert "zygotes started: 0" in out.stdout, out.stdout
     assert status(env) is None  # no daemon was started either
+
+
+NESTED_RUN = """
+import os, sys
+import preload_launcher
+step = preload_launcher.run([sys.executable, "-c", "import greeting, os; print(greeting.WORD, os.getppid())"])
+word, parent = step.stdout.split()
+print(word, step.via, "parent", parent, "mine", os.getppid())
+"""
+
+
+def test_a_script_forked_from_the_daemon_runs_its_own_steps_from_it(daemon_env, tmp_path):
+    """``run -- python x.py`` where x.py calls ``preload_launcher.run``: its step is forked by
+    the daemon that forked x.py, not by a zygote x.py would start, preloading the same again."""
+    env, _, runtime = daemon_env
+    env = with_this_checkout(env)
+    script = tmp_path / "nested.py"
+    script.write_text(NESTED_RUN)
+    assert cli(env, "serve", "--detach").returncode == 0
+    before = status(env)
+    out = cli(env, "run", "--", PY, str(script))
+    assert out.returncode == 0, out.stderr
+    word, via, _, step_parent, _, script_parent = out.stdout.split()
+    assert (word, via) == ("hello", "zygote")
+    assert int(step_parent) == int(script_parent) == before["pid"]
+    assert status(env)["served"] == before["served"] + 2
+    plainly = cli(dict(env, PRELOAD_LAUNCHER="0"), "run", "--", PY, str(script))
+    assert plainly.stdout.split()[:2] == ["hello", "subprocess"]  # the same program, plainly
+    assert not list(runtime.glob("preload_launcher-*/z-*"))  # no zygote of its own was left
+
+
+UNDER_PYTEST = "import os\nFEW_CONFIGS = 'PYTEST_VERSION' in os.environ\n"
+# A suite whose conftest imports a module that reads PYTEST_VERSION at import (as modelopt's
+# triton kernels do on a GPU machine); its test runs a step that imports it too.
+RUNNER_SUITE = {
+    "conftest.py": "import under_pytest\n",
+    "test_runner.py": """
+import json, os, sys
+import preload_launcher, under_pytest
+
+def test_step():
+    step = preload_launcher.run([sys.executable, "-c",
+                                 "import os, under_pytest; print(under_pytest.FEW_CONFIGS, os.getppid())"])
+    assert step.returncode == 0, step.stdout
+    few, parent = step.stdout.split()
+    seen = {"pytest": under_pytest.FEW_CONFIGS, "step": few == "True",
+            "pytest_parent": os.getppid(), "step_parent": int(parent)}
+    with open(os.environ["SEEN_FILE"], "w") as f:
+        json.dump(seen, f)
+""",
+}
+
+
+def runner_suite(env, tmp_path):
+    (tmp_path / "site" / "under_pytest.py").write_text(UNDER_PYTEST)
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    for name, text in {**RUNNER_SUITE, "pytest.ini": "[pytest]\n"}.items():
+        (suite / name).write_text(text)
+    env = dict(with_this_checkout(env), SEEN_FILE=str(tmp_path / "seen.json"),
+               PRELOAD_LAUNCHER_MODULES="json,greeting,under_pytest")
+    env.pop("PYTEST_VERSION", None)  # the daemon is started outside pytest (this one sets it)
+    return env, [PY, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider"]
+
+
+def test_pytest_forked_through_run_imports_as_pytest_does(daemon_env, tmp_path):
+    """pytest sets PYTEST_VERSION in its own process before its conftests load: a preloaded
+    module that read it at import (absent, in a daemon started outside pytest) would differ
+    from a fresh pytest's. The daemon is passed over, a zygote started as pytest runs forks
+    pytest and its steps, and both see what a plain pytest and its steps see."""
+    env, command = runner_suite(daemon_env[0], tmp_path)
+    plain_run = subprocess.run(command, env=dict(env, PRELOAD_LAUNCHER="0"), capture_output=True,
+                               text=True, timeout=120)
+    assert plain_run.returncode == 0, plain_run.stdout + plain_run.stderr
+    plainly = json.loads((tmp_path / "seen.json").read_text())
+    assert cli(env, "serve", "--detach").returncode == 0
+    before = status(env)
+    out = cli(env, "run", "-v", "--", *command)
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert (seen["pytest"], seen["step"]) == (plainly["pytest"], plainly["step"]) == (True, True)
+    assert seen["pytest_parent"] == seen["step_parent"] != before["pid"]  # one zygote, not two
+    assert "other values of PYTEST_VERSION" in out.stderr
+    assert "zygotes started: 0" in out.stdout, out.stdout
+    assert f"zygote {seen['pytest_parent']} (the zygote that forked this pytest)" in out.stdout
+    assert status(env)["served"] == before["served"]  # it could not serve pytest as it runs
+
+
+SETS_MODE = "import os\nos.environ['DAEMON_IMPORT_MODE'] = 'b'\n"
+
+
+def test_the_summary_says_why_the_daemon_that_forked_pytest_was_passed_over(daemon_env, tmp_path):
+    """A plugin sets a variable the daemon's preload read (otherwise) before pytest's session
+    starts: its steps need another zygote, and the summary names the one that served them and
+    why the daemon did not."""
+    env, site, _ = daemon_env
+    env = with_this_checkout(env)
+    (site / "sets_mode.py").write_text(SETS_MODE)
+    assert cli(env, "serve", "--detach").returncode == 0
+    daemon_pid = status(env)["pid"]
+    out, seen = pytest_from_the_launcher(env, tmp_path, "--", PY, "-m", "pytest", "-p",
+                                         "sets_mode")
+    assert seen["pytest_parent"] == daemon_pid != seen["step_parent"]
+    assert (f"the daemon that forked this pytest (pid {daemon_pid}) was not used: it was "
+            "preloaded with other values of DAEMON_IMPORT_MODE") in out.stdout, out.stdout
+    assert f"zygote {seen['step_parent']} (started by this session)" in out.stdout, out.stdout

@@ -127,9 +127,10 @@ class Launcher:
             return self._run_with_standins(plain, step_env, step_cwd, parsed.reason,
                                            wanted.nested)
         parsed.process = process_attrs.capture()  # what a subprocess would inherit, as of now
+        import_env = parsed.import_env()  # a test runner's own settings included
         waiting = time.monotonic()
         try:
-            zygote = self.zygote_for(step_env)
+            zygote = self.zygote_for(import_env)
         except LauncherError as err:
             return self._count(plain(f"zygote failed to start: {err}"))
         with self._lock:
@@ -143,7 +144,7 @@ class Launcher:
             # It learned modules that read variables this step sets otherwise: choose again.
             self._learned_env(zygote, result)
             try:
-                zygote = self.zygote_for(step_env)
+                zygote = self.zygote_for(import_env)
             except LauncherError as err:
                 return self._count(plain(f"zygote failed to start: {err}"))
             result = self._run_in_zygote(zygote, parsed, timeout, echo, capture, relay)
@@ -298,7 +299,7 @@ class Launcher:
                     sock = zygote.submit(spec, fds)
                 except (ConnectionRefusedError, FileNotFoundError):
                     self._retire(zygote)  # it died between steps: replace it once
-                    zygote = self.zygote_for(spec.env)
+                    zygote = self.zygote_for(spec.import_env())
                     sock = zygote.submit(spec, fds)
             except BaseException:
                 if out_r is not None:
@@ -372,7 +373,11 @@ def default_launcher() -> Launcher:
     modules = settings.preload_modules()
     with _launchers_lock:
         if modules not in _launchers:
-            _launchers[modules] = Launcher(modules)
+            # A zygote forked this process (`run -- python x.py`): its preload serves our steps
+            # too, where their environment fits it, instead of a second one preloading the same.
+            forking = ZygoteProcess.parent()
+            shared = forking.socket_path if forking and forking.modules == list(modules) else None
+            _launchers[modules] = Launcher(modules, shared_socket=shared)
         return _launchers[modules]
 
 

@@ -12,6 +12,7 @@ from typing import Mapping, Optional, Sequence
 
 from ..caller.client import Launcher
 from ..caller.zygote_handle import ZygoteProcess
+from ..command import runner_env_of
 from ..result import ZygoteDied
 from . import daemon
 from .cli_run import other_daemons, say
@@ -24,7 +25,9 @@ def run_forked(args: argparse.Namespace, modules: Sequence[str], named_in: str) 
     """Run ``args.command`` through a zygote; returns its return code (negative: a signal).
     ``named_in``: where the preload list came from ("" for the default list)."""
     launcher = Launcher(modules)
-    found = None if args.no_daemon else _daemon_for(modules, os.environ)
+    # A test runner's own settings (pytest's PYTEST_VERSION) are part of what its imports see.
+    env = {**os.environ, **runner_env_of(args.command)}
+    found = None if args.no_daemon else _daemon_for(modules, env)
     if found is not None:
         launcher.zygotes.append(found)
         how = f"the daemon (pid {found.status['pid']})"

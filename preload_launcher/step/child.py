@@ -172,7 +172,7 @@ def start_fresh_module_table(target: PythonTarget, started: set[str]) -> None:
     reason = only_a_fresh_start_applies(target)
     if reason:
         runtime.become_fresh(executable, sys.orig_argv, runtime.start_env, reason)
-    module_table.start_fresh(started, fresh)
+    module_table.start_fresh(started, fresh, target.runner_env)
 
 
 def run_python_step(target: PythonTarget, state: runtime.ZygoteState,

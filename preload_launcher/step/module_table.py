@@ -340,16 +340,19 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 _restorer: Optional[_Restorer] = None
 
 
-def start_fresh(keep: set, on_changed: Callable[[dict[str, str]], None]) -> None:
+def start_fresh(keep: set, on_changed: Callable[[dict[str, str]], None],
+                runner_env: Optional[dict[str, str]] = None) -> None:
     """Stash every module a fresh interpreter would not have now (all but ``keep`` and the
     start-up modules); the step's imports take them back. ``on_changed``: called with
-    ``{variable: module}`` when a closure's import-time environment changed since now."""
+    ``{variable: module}`` when a closure's import-time environment changed since now.
+    ``runner_env``: what the test runner the step starts sets for itself before a test's
+    imports (its zygote was chosen with it): the step counts as having started with it."""
     global _restorer
     keep = keep | shadowing.startup_modules | {"__main__"}
     stash = dict(sys.modules)
     sys.modules.clear()
     sys.modules.update({name: stash.pop(name) for name in keep if name in stash})
-    _restorer = _Restorer(stash, dict(os.environ), on_changed)
+    _restorer = _Restorer(stash, {**os.environ, **(runner_env or {})}, on_changed)
     sys.meta_path.insert(0, _restorer)
 
 

@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 from .. import cuda, gpus, procfs, protocol
-from ..command import Unsupported, parse_command
+from ..command import Unsupported, import_environment, parse_command
 from ..interpreter import import_env_mismatch
 from ..process_attrs import affinity_change
 from ..step import become, runtime
@@ -104,10 +104,11 @@ class ZygoteRequests:
                 self.count_standin_fallback(spec)
                 _send_fallback(conn, fds, reason=spec, retire=False)
                 return
-        elif self.env_differs(spec["env"]):
+        elif self.env_differs(import_environment(spec)):
             # The caller chose us by an import environment older than what we learned since:
             # it gets ours, to choose again.
-            _send_fallback(conn, fds, reason=self.env_differs(spec["env"]), retire=False,
+            _send_fallback(conn, fds, reason=self.env_differs(import_environment(spec)),
+                           retire=False,
                            import_env=self.report.import_env,
                            set_while_importing=self.report.set_while_importing)
             return
@@ -199,6 +200,9 @@ class ZygoteRequests:
             return str(err)
         if isinstance(parsed, Unsupported):
             return parsed.reason
+        differs = self.env_differs(parsed.import_env())  # what a test runner sets for itself
+        if differs:
+            return differs
         return {**parsed.to_json_dict(), "fd_targets": spec["fd_targets"], "nested": True,
                 "process": spec.get("process") or {}}
 
