@@ -84,6 +84,9 @@ def _add_daemon_verbs(sub) -> None:
     serve.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
                        help="stop after this many seconds without a request (default: "
                             "PRELOAD_LAUNCHER_IDLE_TIMEOUT_S, else 1800; 0: never)")
+    serve.add_argument("--pytest", action="store_true",
+                       help="preload as pytest runs (with the PYTEST_VERSION it sets for "
+                            "itself), to serve `run -- pytest …` and what its tests start")
     # `run` starts its daemons with this: they pre-warm no CUDA context unless a variable asks.
     serve.add_argument("--implicit", action="store_true", help=argparse.SUPPRESS)
     status = _verb(sub, "status", "show running daemons",

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from preload_launcher.command import StepSpec, Unsupported, parse_command, parse_python_argv
+from preload_launcher.command import (StepSpec, Unsupported, parse_command, parse_python_argv,
+                                      runner_env_of)
 
 ENV = dict(os.environ)
 
@@ -66,3 +67,18 @@ def test_only_a_console_script_naming_this_interpreter_alone_is_served(tmp_path)
     t = parse_command(["plain", "a"], env, "/").target
     assert (t.kind, t.value, t.args, t.prog) == ("script", str(tmp_path / "plain"), ["a"],
                                                  sys.executable)
+
+
+def test_a_pytest_step_imports_with_what_pytest_sets_for_itself():
+    """pytest sets PYTEST_VERSION in its own process before a conftest loads: a pytest step is
+    chosen a zygote by its environment with it; any other step by its own."""
+    import importlib.metadata
+    version = {"PYTEST_VERSION": importlib.metadata.version("pytest")}
+    spec = parse_command([sys.executable, "-m", "pytest", "-q"], ENV, "/tmp")
+    assert spec.target.runner_env == version and spec.env == ENV  # its own environment as given
+    assert spec.import_env() == {**ENV, **version}
+    assert StepSpec.from_json_dict(spec.to_json_dict()).import_env() == spec.import_env()
+    other = parse_command([sys.executable, "-c", "pass"], ENV, "/tmp")
+    assert other.target.runner_env == {} and other.import_env() == ENV
+    assert runner_env_of(["pytest", "-x"]) == runner_env_of(["python3", "-m", "py.test"]) == version
+    assert runner_env_of(["python3", "pytest.py"]) == runner_env_of(["torchrun", "-m", "pytest"]) == {}

@@ -287,10 +287,27 @@ def test_pytest_forked_through_run_imports_as_pytest_does(daemon_env, tmp_path):
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert (seen["pytest"], seen["step"]) == (plainly["pytest"], plainly["step"]) == (True, True)
     assert seen["pytest_parent"] == seen["step_parent"] != before["pid"]  # one zygote, not two
-    assert "other values of PYTEST_VERSION" in out.stderr
+    assert "other values of PYTEST_VERSION" in out.stderr and "serve --pytest" in out.stderr
     assert "zygotes started: 0" in out.stdout, out.stdout
     assert f"zygote {seen['pytest_parent']} (the zygote that forked this pytest)" in out.stdout
     assert status(env)["served"] == before["served"]  # it could not serve pytest as it runs
+
+
+def test_a_daemon_served_as_pytest_runs_forks_pytest_and_its_steps(daemon_env, tmp_path):
+    """``serve --pytest``: the daemon preloads as pytest runs, so it serves ``run -- pytest``
+    and the suite's steps, and they see what a plain pytest and its steps see."""
+    env, command = runner_suite(daemon_env[0], tmp_path)
+    assert cli(env, "serve", "--detach", "--pytest").returncode == 0
+    before = status(env)
+    out = cli(env, "run", "-v", "--", *command)
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert (seen["pytest"], seen["step"]) == (True, True)  # as plainly (the test above)
+    assert seen["pytest_parent"] == seen["step_parent"] == before["pid"]
+    assert f"ran through the daemon (pid {before['pid']})" in out.stderr
+    assert f"zygote {before['pid']} (the daemon that forked this pytest)" in out.stdout
+    assert "zygotes started: 0" in out.stdout, out.stdout
+    assert status(env)["served"] == before["served"] + 2
 
 
 SETS_MODE = "import os\nos.environ['DAEMON_IMPORT_MODE'] = 'b'\n"

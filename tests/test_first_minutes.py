@@ -1,6 +1,7 @@
 """What a new user meets in the first minutes: one rule for the preload list, daemons that are
 starting, settings errors, modules that cannot be imported, the daemons `run` starts on its own,
 and one identity for one interpreter, whichever name started it."""
+import argparse
 import json
 import os
 import subprocess
@@ -233,6 +234,24 @@ def test_run_starts_its_daemon_as_an_implicit_one(env, monkeypatch):
     finally:
         os.unlink(daemon.starting_file(["json"]))
     assert started and started[0][3:6] == ["serve", "--detach", "--implicit"], started
+
+
+def test_the_daemon_a_pytest_run_starts_preloads_as_pytest_runs(env, monkeypatch):
+    """After a plain `run -- pytest`, the daemon for the next one is a `serve --pytest`."""
+    from preload_launcher.front import cli_run, daemon
+    started = []
+
+    class Started:
+        pid, returncode = 1, None
+
+    monkeypatch.setattr(daemon.subprocess, "Popen", lambda args, **kw: started.append(args) or Started())
+    try:
+        cli_run._after_plain(argparse.Namespace(verbose=False, command=[sys.executable, "-m",
+                                                                    "pytest", "-q"]),
+                             ["json"], 0, 0, 2.0)
+    finally:
+        os.unlink(daemon.starting_file(["json"]))
+    assert started and "--pytest" in started[0], started
 
 
 # ---------------------------------------------------------------- one interpreter, one identity

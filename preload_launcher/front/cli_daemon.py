@@ -16,6 +16,7 @@ import time
 
 from .. import settings
 from ..caller.zygote_handle import ZygoteProcess
+from ..command import runner_env_of
 from ..files import unlink_all
 from . import daemon
 from .cli_run import other_daemons
@@ -36,7 +37,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if zygote is None:
         daemon.mark_starting(modules)
         try:
-            zygote = daemon.start_daemon(modules, os.environ, args.idle_timeout, _terminal(),
+            # A daemon for pytest runs imports with what pytest sets in its own process.
+            env = {**os.environ, **(runner_env_of(["pytest"]) if args.pytest else {})}
+            zygote = daemon.start_daemon(modules, env, args.idle_timeout, _terminal(),
                                          implicit=args.implicit)
         finally:
             unlink_all(starting_file(modules))  # started (or failed): `run` may try again

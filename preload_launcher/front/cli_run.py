@@ -115,7 +115,7 @@ def _after_plain(args: argparse.Namespace, modules: Sequence[str], idle_timeout_
         say(args, f"a plain process: no daemon preloads {listed}; none started ({why_not})")
         return
     daemon = importlib.import_module(f"{__package__}.daemon")
-    if daemon.spawn_daemon(modules):
+    if daemon.spawn_daemon(modules, args.command):
         print(f"preload-launcher: started a daemon preloading {listed} in the background; the "
               f"next runs are forked from it. {_lifetime(idle_timeout_s)}", file=sys.stderr)
         say(args, f"a plain process: no daemon preloaded {listed} yet")
@@ -150,7 +150,7 @@ def _become_watched(args: argparse.Namespace, modules: Sequence[str],
     program = os.pidfd_open(pid)  # taken now: the pid cannot be reused while it is open
     failed_r, failed_w = os.pipe()  # close-on-exec: EOF tells the watcher the exec succeeded
     job = {"pid": pid, "program": program, "failed": failed_r, "before": _cpu_ticks(pid) or 0,
-           "modules": list(modules), "verbose": args.verbose,
+           "modules": list(modules), "verbose": args.verbose, "command": args.command,
            "idle_timeout_s": wanted.idle_timeout_s}
     # `sh -c '… &'` leaves the watcher in the background and ends at once: the watcher is never
     # the command's child (a command waiting for all its children would wait for it forever).
@@ -176,8 +176,8 @@ def _watch(job: dict) -> None:
         if ended:
             break
     cpu_s = (ticks - job["before"]) / os.sysconf("SC_CLK_TCK")
-    _after_plain(argparse.Namespace(verbose=job["verbose"]), job["modules"],
-                 job["idle_timeout_s"], 0, cpu_s)
+    _after_plain(argparse.Namespace(verbose=job["verbose"], command=job["command"]),
+                 job["modules"], job["idle_timeout_s"], 0, cpu_s)
 
 
 def _cpu_ticks(pid: int) -> Optional[int]:

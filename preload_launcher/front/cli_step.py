@@ -71,7 +71,9 @@ def _daemon_for(modules: Sequence[str], env: Mapping[str, str]) -> Optional[Zygo
         return None
     mismatch = zygote.env_mismatch(env)
     if mismatch:
+        hint = " (`serve --pytest` starts one for pytest runs)" if "PYTEST_VERSION" in mismatch \
+            else ""
         print(f"preload-launcher: the daemon was preloaded with other values of {', '.join(mismatch)};"
-              " using a fresh zygote for this environment", file=sys.stderr)
+              f" using a fresh zygote for this environment{hint}", file=sys.stderr)
         return None
     return zygote

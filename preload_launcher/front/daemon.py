@@ -15,6 +15,7 @@ import time
 from typing import Mapping, Optional, Sequence
 
 from ..caller.zygote_handle import ZygoteProcess
+from ..command import runner_env_of
 from ..files import lock_file, read_json, remove_all, unlink_all, write_json, zygote_files
 from ..result import LauncherError
 from .daemon_files import (daemon_paths, list_daemons, pid_alive, read_starting, starting_file,
@@ -99,15 +100,18 @@ def _claim_starting(modules: Sequence[str]) -> Optional[int]:
     return None
 
 
-def spawn_daemon(modules: Sequence[str]) -> bool:
+def spawn_daemon(modules: Sequence[str], command: Sequence[str] = ()) -> bool:
     """Start ``serve --detach`` in the background (for the next ``run``) unless one is starting
     already; returns whether this call started it. Its ``.starting`` file holds the starter's
-    pid until the daemon serves."""
+    pid until the daemon serves. After a ``command`` that runs pytest, the daemon preloads as
+    pytest runs (``serve --pytest``): the next one is served by it."""
     fd = _claim_starting(modules)
     if fd is None:
         return False
+    pytest = ["--pytest"] if runner_env_of(list(command)) else []
     proc = subprocess.Popen([sys.executable, "-m", "preload_launcher.cli", "serve", "--detach",
-                             "--implicit", "--preload", ",".join(modules)],
+                             "--implicit", *pytest,
+                             "--preload", ",".join(modules)],
                             start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.returncode = 0  # detached: never reaped (or warned about) by this process

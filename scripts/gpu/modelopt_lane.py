@@ -5,7 +5,7 @@ the launcher's from an empty cache:
 * ``launcher``: ``_run_capturing`` swapped for the launcher (scripts/gpu/modelopt_lane_swap.py);
 * ``suite``: nothing swapped, ``PRELOAD_LAUNCHER=suite`` (every interpreter the tests start);
 * ``forked``: as ``suite``, with pytest itself forked from a daemon: ``preload-launcher serve
-  --detach`` then ``preload-launcher run -- python -m pytest …`` (the wall counts both).
+  --detach --pytest`` then ``preload-launcher run -- python -m pytest …`` (the wall counts both).
 
     python3 scripts/gpu/modelopt_lane.py --checkout .modelopt --lanes spec,spec_ptq,onnx --out DIR
 
@@ -94,8 +94,10 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     print(f"== {way}: {' '.join(cmd[1:])}\n   cache {cache} (empty: {not os.listdir(cache)})",
           flush=True)
     start = time.perf_counter()
-    if way == "forked":  # a daemon of the suite's preload set, then pytest forked from it
-        subprocess.run(CLI + ["serve", "--detach"], cwd=args.checkout, env=env, check=True)
+    if way == "forked":  # a daemon of the suite's preload set, as pytest runs (modelopt's
+        # triton kernels read PYTEST_VERSION at import), then pytest forked from it
+        subprocess.run(CLI + ["serve", "--detach", "--pytest"], cwd=args.checkout, env=env,
+                       check=True)
         cmd = CLI + ["run", "-v", "--"] + cmd
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=args.checkout, env=env, stdout=f,
