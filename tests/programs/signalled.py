@@ -21,6 +21,11 @@ if way == "switch":
     launcher = Launcher(["json"])
     suite_wide.install(launcher)
     launcher.zygote_for_standins(dict(os.environ)).wait_ready()  # else the real program runs
+# A shell without job control starts background commands with SIGINT and SIGQUIT ignored
+# (`nohup pytest … &`), and an ignored signal stays ignored across exec: the caller a test
+# stands for is a terminal's job, which has them at their defaults.
+for default in (signal.SIGINT, signal.SIGQUIT):
+    signal.signal(default, signal.SIG_DFL)
 proc = subprocess.Popen(command, stdout=subprocess.PIPE, preexec_fn=os.setpgrp)
 ready = proc.stdout.readline().split()
 program = int(ready[1])
