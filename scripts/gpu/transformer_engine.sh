@@ -48,7 +48,8 @@ install)
     || { tail -n 40 /tmp/te-build.log; exit 1; }
   cp transformer_engine_torch*.so "$SITE/"
   echo "built transformer_engine_torch in $(( $(date +%s) - start )) s"
-  PYTHONPATH=$SITE:${PYTHONPATH:-} python3 -c "import transformer_engine.pytorch as te; print('transformer_engine', te.__version__ if hasattr(te, '__version__') else '', 'imports')" ;;
+  # TE's recipes import pydantic, which travels in .whl (installed into /tmp/site by lanes.sh)
+  PYTHONPATH=$SITE:/tmp/site:${PYTHONPATH:-} python3 -c "import transformer_engine.pytorch as te; print('transformer_engine', te.__version__ if hasattr(te, '__version__') else '', 'imports')" ;;
 *)
   echo "usage: $0 fetch|receive|install" >&2; exit 2 ;;
 esac
