@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 step() { if [ -t 1 ]; then echo "install.sh: $*"; fi; }
-pip_install() { $py -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# (As root, as CI runs, pip warns about root on every call: the install is the machine's.)
+pip_install() { PIP_ROOT_USER_ACTION=ignore $py -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 # An interpreter its OS manages (PEP 668: Debian's /usr/bin/python3) refuses pip installs.
 if $py -c "import os, sys, sysconfig; sys.exit(not (sys.prefix == sys.base_prefix and os.path.exists(
     os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED'))))"; then
