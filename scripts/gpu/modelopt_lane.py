@@ -75,6 +75,10 @@ def session_env(way: str, args, cache: str, steps: str) -> dict:
         env["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix=f"lane-ext-{way}-")
     elif args.torch_extensions:
         env["TORCH_EXTENSIONS_DIR"] = args.torch_extensions
+    # torch.compile's caches (inductor's, triton's kernels): a way that runs after another
+    # would find them filled (spec_compile's first run: the second way compiled warm).
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        env[variable] = tempfile.mkdtemp(prefix=f"lane-{variable.split('_')[0].lower()}-{way}-")
     if way == "subprocess":
         env["PRELOAD_LAUNCHER"] = "0"
     elif way in ("suite", "forked"):
@@ -191,7 +195,8 @@ def report(args, tests, walls: dict, logs: dict) -> str:
            f"on {os.uname().nodename}; Python {sys.version.split()[0]}; {gpu_line()}",
            f"# checkout {args.checkout} at {checkout_commit(args.checkout)}; lanes {args.lanes}; "
            f"preload {args.modules}; each way a fresh pytest session, launcher from an empty cache; "
-           f"order {args.ways}; TORCH_EXTENSIONS_DIR {ext_line(args)}"]
+           f"order {args.ways}; TORCH_EXTENSIONS_DIR {ext_line(args)}; inductor's and "
+           f"triton's caches an empty one per way"]
     return "\n".join(out) + "\n" + report_body(args, ways, res, steps, names, walls, logs)
 
 
