@@ -6,6 +6,7 @@
 #   here:  bash scripts/gpu/modelopt_lane.sh prepare; bash scripts/gpu/transformer_engine.sh fetch
 #          bash scripts/gpu/lanes.sh split-te 20000000   # .te/parts: a small first part, 4 large
 #          bash scripts/gpu/lanes.sh prepare-bridge      # .whl-bridge: megatron-bridge's runtime
+#          bash scripts/gpu/lanes.sh prepare-nvrx NVRX_GIT_DIR   # + nvidia-resiliency-ext 0.6.0
 #   there: bash scripts/gpu/lanes.sh setup [ext] [te] [captured] [native-env] [nodes] [lane NAME LANES ARGS...] ...
 #          the first call carries .whl .modelopt .te/build .te/parts/core.00, each later call one
 #          more part, the sixth .whl-bridge; `te` (once every part is there) joins, installs and
@@ -36,12 +37,6 @@ setup() {
   # replaces a top-level folder whole (it removed megatron/bridge once).
   if [ -d .whl-bridge ] && [ ! -d /tmp/site-energon ]; then
     "${PIP[@]}" --target /tmp/site-energon .whl-bridge/*.whl
-  fi
-  # nvidia-resiliency-ext 0.4.1 (the newest wheel) is a namespace package with no __version__,
-  # which megatron-core 0.19.2 reads (dist_checkpointing/strategies/nvrx.py): give it its own.
-  local nvrx=/tmp/site-energon/nvidia_resiliency_ext
-  if [ -d $nvrx ] && [ ! -f $nvrx/__init__.py ]; then
-    echo 'from importlib.metadata import version; __version__ = version("nvidia-resiliency-ext")' > $nvrx/__init__.py
   fi
   [ -d $MO ] || cp -a .modelopt $MO
   if [ -d .te ]; then bash scripts/gpu/transformer_engine.sh receive | tail -n 12; fi
@@ -104,6 +99,20 @@ prepare_bridge() {  # here: what megatron-bridge 0.6.2's distill steps import th
   du -sh --apparent-size .whl-bridge
 }
 
+prepare_nvrx() {  # here: nvidia-resiliency-ext 0.6.0, which megatron-core 0.19.2 requires
+  # (PyPI's newest wheel is 0.4.1), built from its release tag for Python 3.12 without its
+  # optional CUPTI straggler extension (STRAGGLER_DET_SKIP_CUPTI_EXT_BUILD), into .whl-bridge.
+  local src=$1 py=${PY312:-python3.12} work
+  work=$(mktemp -d)
+  git clone -q "$src" "$work/src" && git -C "$work/src" checkout -q v0.6.0
+  (cd "$work/src" && STRAGGLER_DET_SKIP_CUPTI_EXT_BUILD=1 POETRY_DYNAMIC_VERSIONING_BYPASS=0.6.0 \
+     "$py" -m pip wheel -q --no-deps -w "$work/wheel" .)
+  rm -f .whl-bridge/nvidia_resiliency_ext-*.whl
+  cp "$work"/wheel/nvidia_resiliency_ext-0.6.0-*.whl .whl-bridge/
+  rm -rf "$work"
+  ls -l .whl-bridge/nvidia_resiliency_ext-*
+}
+
 split_te() {  # FIRST_BYTES: .te/parts as one part of that size and four equal ones
   local core=(.te/transformer_engine_cu13-*.whl) first=$1
   local rest=$(( $(stat -c %s "$core") - first ))
@@ -133,6 +142,7 @@ while [ $# -gt 0 ]; do
            --modules torch,megatron.core; shift ;;
   split-te) split_te "$2"; shift 2 ;;
   prepare-bridge) prepare_bridge; shift ;;
+  prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
   lane)  # everything up to the next `--` belongs to this lane
     shift; args=()
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done
