@@ -25,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from preload_launcher import Launcher  # noqa: E402
+from preload_launcher.cuda import nvml_device_count  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # wherever the image put torchrun
 STEP = """import importlib, os, sys
@@ -80,10 +81,8 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--modules", default="torch", help="preloaded, and imported by each rank")
     opts = parser.parse_args()
-    runs = opts.runs
     if opts.backend == "nccl":
-        gpus = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                                  capture_output=True, text=True).stdout or 0)
+        gpus = nvml_device_count()  # without initialising CUDA in this process
         if gpus < 2 * opts.nproc:
             sys.exit(f"nccl: both nodes run on this machine, so each of the {2 * opts.nproc} ranks "
                      f"needs a GPU of its own (NCCL refuses two ranks on one GPU); {gpus} here")
@@ -96,12 +95,12 @@ def main() -> None:
             launcher.zygote_for(dict(os.environ))
             job(launcher, script, opts)  # not counted: the first
             times: dict[str, list[float]] = {"plain torchrun": [], "forked": []}
-            for _ in range(runs):
+            for _ in range(opts.runs):
                 times["plain torchrun"].append(job(None, script, opts))
                 times["forked"].append(job(launcher, script, opts))
             for name, values in times.items():
                 print(f"{name:15} median {statistics.median(values):6.2f} s   "
-                      f"fastest {min(values):6.2f} s   ({runs} runs, 2 nodes x {opts.nproc} "
+                      f"fastest {min(values):6.2f} s   ({opts.runs} runs, 2 nodes x {opts.nproc} "
                       f"ranks, {opts.backend}, {opts.modules})", flush=True)
         finally:
             launcher.close()

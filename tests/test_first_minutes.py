@@ -222,8 +222,10 @@ def test_a_daemon_run_starts_on_its_own_prewarms_no_gpu(monkeypatch):
     assert prewarm(dict(os.environ, PRELOAD_LAUNCHER_PREWARM="1"), implicit=True) is True
 
 
-def test_run_starts_its_daemon_as_an_implicit_one(env, monkeypatch):
-    """The background `serve` that `run` starts is told that the user did not ask for it."""
+@pytest.fixture
+def daemon_starts(env, monkeypatch):
+    """The command lines of the background daemons started meanwhile (none really starts);
+    the 'starting' file a start leaves for the next caller is removed at the end."""
     from preload_launcher.front import daemon
     started = []
 
@@ -231,29 +233,25 @@ def test_run_starts_its_daemon_as_an_implicit_one(env, monkeypatch):
         pid, returncode = 1, None
 
     monkeypatch.setattr(daemon.subprocess, "Popen", lambda args, **kw: started.append(args) or Started())
-    try:
-        assert daemon.spawn_daemon(["json"])
-    finally:
-        os.unlink(daemon.starting_file(["json"]))
-    assert started and started[0][3:6] == ["serve", "--detach", "--implicit"], started
+    yield started
+    os.unlink(daemon.starting_file(["json"]))
 
 
-def test_the_daemon_a_pytest_run_starts_preloads_as_pytest_runs(env, monkeypatch):
+def test_run_starts_its_daemon_as_an_implicit_one(daemon_starts):
+    """The background `serve` that `run` starts is told that the user did not ask for it."""
+    from preload_launcher.front import daemon
+    assert daemon.spawn_daemon(["json"])
+    assert daemon_starts and daemon_starts[0][3:6] == ["serve", "--detach", "--implicit"], \
+        daemon_starts
+
+
+def test_the_daemon_a_pytest_run_starts_preloads_as_pytest_runs(daemon_starts):
     """After a plain `run -- pytest`, the daemon for the next one is a `serve --pytest`."""
-    from preload_launcher.front import cli_run, daemon
-    started = []
-
-    class Started:
-        pid, returncode = 1, None
-
-    monkeypatch.setattr(daemon.subprocess, "Popen", lambda args, **kw: started.append(args) or Started())
-    try:
-        cli_run._after_plain(argparse.Namespace(verbose=False, command=[sys.executable, "-m",
+    from preload_launcher.front import cli_run
+    cli_run._after_plain(argparse.Namespace(verbose=False, command=[sys.executable, "-m",
                                                                     "pytest", "-q"]),
-                             ["json"], 0, 0, 2.0)
-    finally:
-        os.unlink(daemon.starting_file(["json"]))
-    assert started and "--pytest" in started[0], started
+                         ["json"], 0, 0, 2.0)
+    assert daemon_starts and "--pytest" in daemon_starts[0], daemon_starts
 
 
 # ---------------------------------------------------------------- one interpreter, one identity

@@ -13,7 +13,6 @@ status 0 when every launcher answer equals the plain one.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,16 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from preload_launcher import Launcher  # noqa: E402
 
+from captured_cuda import reports  # noqa: E402  (beside this script)
+
 REPORT = '''import json, os, torch
 x = torch.ones(1, device="cuda")
 os.write(1, (json.dumps({"backend": torch.cuda.memory.get_allocator_backend(),
                          "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}) + "\\n").encode())
 '''
+ASYNC = "backend:cudaMallocAsync"
+# Each case: the program, and the step's environment beyond the zygote's.
 PROGRAMS = {
-    "sets it before import torch": 'import os\n'
-    'os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"\n' + REPORT,
-    "given in the step's environment": REPORT,
-    "neither": REPORT,
+    "sets it before import torch":
+        (f'import os\nos.environ["PYTORCH_CUDA_ALLOC_CONF"] = "{ASYNC}"\n' + REPORT, {}),
+    "given in the step's environment": (REPORT, {"PYTORCH_CUDA_ALLOC_CONF": ASYNC}),
+    "neither": (REPORT, {}),
 }
 
 
@@ -48,18 +51,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         try:
             launcher.prestart(base)
-            for name, source in PROGRAMS.items():
+            for name, (source, extra) in PROGRAMS.items():
                 script = os.path.join(folder, "step.py")
                 with open(script, "w") as f:
                     f.write(source)
-                env = dict(base)
-                if name.startswith("given"):
-                    env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+                env = dict(base, **extra)
                 plain = subprocess.run([sys.executable, script], env=env, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 forked = launcher.run([sys.executable, script], env=env)
-                want = [json.loads(s) for s in plain.stdout.splitlines() if s.startswith("{")]
-                got = [json.loads(s) for s in forked.stdout.splitlines() if s.startswith("{")]
+                want, got = reports(plain.stdout), reports(forked.stdout)
                 same = bool(want) and want == got and plain.returncode == forked.returncode == 0
                 ok &= same
                 print(f"{name}: plain {want} | launcher {got} via {forked.via} "
