@@ -4,12 +4,12 @@
 # core wheel travels one part a call beside the call's own work.
 #
 #   here:  bash scripts/gpu/modelopt_lane.sh prepare; bash scripts/gpu/transformer_engine.sh fetch
-#          bash scripts/gpu/lanes.sh split-te 20000000   # .te/parts: a small first part, 4 large
+#          bash scripts/gpu/lanes.sh split-te 17000000 59000000   # .te/parts: a small first part, 4 large, a fifth small
 #          bash scripts/gpu/lanes.sh prepare-bridge      # .whl-bridge: megatron-bridge's runtime
 #          bash scripts/gpu/lanes.sh prepare-nvrx NVRX_GIT_DIR   # + nvidia-resiliency-ext 0.6.0
 #   there: bash scripts/gpu/lanes.sh setup [ext] [te] [captured] [native-env] [nodes] [lane NAME LANES ARGS...] ...
 #          the first call carries .whl .modelopt .te/build .te/parts/core.00, each later call one
-#          more part, the sixth .whl-bridge; `te` (once every part is there) joins, installs and
+#          more part, the sixth core.05 and .whl-bridge (a call carries 64 MiB with the checkout); `te` (once every part is there) joins, installs and
 #          builds Transformer Engine. (.whl, .whl-bridge, .te, .modelopt: in .git/info/exclude.)
 #
 # Each `lane NAME LANES ARGS...` runs scripts/gpu/modelopt_lane.py on the copied checkout (/tmp/mo)
@@ -113,12 +113,12 @@ prepare_nvrx() {  # here: nvidia-resiliency-ext 0.6.0, which megatron-core 0.19.
   ls -l .whl-bridge/nvidia_resiliency_ext-*
 }
 
-split_te() {  # FIRST_BYTES: .te/parts as one part of that size and four equal ones
-  local core=(.te/transformer_engine_cu13-*.whl) first=$1
-  local rest=$(( $(stat -c %s "$core") - first ))
+split_te() {  # FIRST_BYTES PART_BYTES: .te/parts as a first part of FIRST_BYTES, the rest in PART_BYTES
+  # pieces (the last one smaller: room beside it for .whl-bridge)
+  local core=(.te/transformer_engine_cu13-*.whl) first=$1 part=$2
   rm -f .te/parts/core.*
   head -c "$first" "$core" > .te/parts/core.00
-  tail -c +$(( first + 1 )) "$core" | split -b $(( (rest + 3) / 4 )) -d --numeric-suffixes=1 - .te/parts/core.
+  tail -c +$(( first + 1 )) "$core" | split -b "$part" -d --numeric-suffixes=1 - .te/parts/core.
   ls -l .te/parts
 }
 
@@ -140,7 +140,7 @@ while [ $# -gt 0 ]; do
            --modules torch,megatron.core
          probe nodes_gloo $MCORE python3 scripts/bench_nodes.py 3 --nproc 1 --backend gloo \
            --modules torch,megatron.core; shift ;;
-  split-te) split_te "$2"; shift 2 ;;
+  split-te) split_te "$2" "$3"; shift 3 ;;
   prepare-bridge) prepare_bridge; shift ;;
   prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
   lane)  # everything up to the next `--` belongs to this lane
