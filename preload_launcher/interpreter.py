@@ -116,7 +116,7 @@ def import_env_mismatch(import_env: Mapping[str, Optional[str]], env: Mapping[st
     set_by_imports = set_while_importing or {}
     return sorted([k for k, v in import_env.items()
                    if not k.startswith(flags) and env_value(env, k) != v
-                   and not (v is None and k in set_by_imports and env.get(k) == set_by_imports[k])]
+                   and not (v is None and k in set_by_imports and env_value(env, k) == set_by_imports[k])]
                   + flags_differ(import_env, env))
 
 

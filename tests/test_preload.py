@@ -206,6 +206,20 @@ def test_a_step_passing_on_a_default_the_preload_published_is_served_by_it(fake_
                                                ({"PUBLISHED_DIR": "/elsewhere"}, 2)])
 
 
+def test_a_step_passing_on_a_family_member_the_preload_set_is_served_by_it(fake_site):
+    """Native code reads whole families of variables at load (``TF_*``: XLA's logging): a
+    preloaded module that sets one member at import, and a caller whose own import of it set the
+    same, are one environment; another value of the member still gets its own zygote."""
+    site, env, _ = fake_site
+    env = {k: v for k, v in env.items() if not k.startswith("TF_")}
+    (site / "sets_member.py").write_text(
+        "import os\nos.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')\n")
+    code = "import os, sets_member; print(os.environ['TF_CPP_MIN_LOG_LEVEL'])"
+    served_like_plain(env, "sets_member", code, [({}, 1),
+                                                 ({"TF_CPP_MIN_LOG_LEVEL": "3"}, 1),
+                                                 ({"TF_CPP_MIN_LOG_LEVEL": "1"}, 2)])
+
+
 def test_a_preloaded_module_that_imports_threadpoolctl_runs_that_import_itself(fake_site):
     """The zygote uses threadpoolctl while preloading; a preloaded module importing it must still
     run its import (which sets KMP_DUPLICATE_LIB_OK), as in a fresh interpreter, and a caller

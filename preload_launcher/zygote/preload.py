@@ -155,9 +155,14 @@ class Preloader:
                                   for k in sorted(keys) if k not in report.import_env})
         self.env_set_by_preload.update({k: v for k, v in os.environ.items()
                                         if self.start_env.get(k) != v})
-        report.set_while_importing = {k: v for k, v in {**IMPORT_DEFAULTS,
-                                                        **self.env_set_by_preload}.items()
-                                      if k in report.import_env and self.start_env.get(k) is None}
+        set_by_imports = {**IMPORT_DEFAULTS, **self.env_set_by_preload}
+        # A variable, or a family (``X*``) of them, that the imports set where the start had
+        # none: a step may hold what they left (its caller's own imports set the same).
+        left = {**self.start_env, **set_by_imports}
+        report.set_while_importing = {
+            k: interpreter.env_value(left, k) for k in report.import_env
+            if interpreter.env_value(self.start_env, k) is None
+            and interpreter.env_value(left, k) is not None}
 
     def should_scout(self, module: str) -> bool:
         """Scout an entry never seen on this package set, where culprits can be seen at all."""

@@ -30,7 +30,12 @@ stamp() { echo "[lanes $(date -u +%T)] $*"; }
 
 setup() {
   [ -d /tmp/site ] || "${PIP[@]}" --target /tmp/site $(ls .whl/*.whl | grep -v -E '/megatron_(core|bridge)-')
-  [ -d /tmp/site-mcore ] || "${PIP[@]}" --target /tmp/site-mcore .whl/megatron_core-*.whl
+  if [ ! -d /tmp/site-mcore ]; then
+    "${PIP[@]}" --target /tmp/site-mcore .whl/megatron_core-*.whl
+    # megatron-bridge's initialize_megatron runs `make -C megatron/core/datasets` (the source
+    # tree's Makefile, building helpers_cpp); the wheel ships helpers_cpp built and no Makefile.
+    printf 'default:\n\t@ls helpers_cpp*.so > /dev/null\n' > /tmp/site-mcore/megatron/core/datasets/Makefile
+  fi
   [ -d /tmp/site-bridge ] || "${PIP[@]}" --target /tmp/site-bridge .whl/megatron_bridge-*.whl
   # megatron-bridge's runtime (energon, puzzletron's and nvidia-resiliency-ext's needs, diffusers)
   # in a folder of its own: energon's wheel has a `megatron/` too, and pip --target --upgrade
@@ -140,6 +145,10 @@ while [ $# -gt 0 ]; do
            --modules torch,megatron.core
          probe nodes_gloo $MCORE python3 scripts/bench_nodes.py 3 --nproc 1 --backend gloo \
            --modules torch,megatron.core; shift ;;
+  # who sets TF_* in a megatron_bridge test's process (its imports, as pytest makes them)
+  who-sets) probe who_sets_tf $MO/tests:$MO:$BRIDGE python3 scripts/gpu/who_reads.py 'TF_*' \
+              torch,transformers,transformer_engine.pytorch,megatron.core,megatron.bridge,modelopt.torch,_test_utils.torch.transformers_models,_test_utils.torch.puzzletron.utils,modelopt.torch.puzzletron.anymodel
+            env | grep '^TF_' || echo "no TF_* in the call's environment"; shift ;;
   split-te) split_te "$2" "$3"; shift 3 ;;
   prepare-bridge) prepare_bridge; shift ;;
   prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;  # a clone or mirror of NVIDIA/nvidia-resiliency-ext

@@ -1,5 +1,6 @@
 """Which import reads or sets an environment variable, with the importer chain: the stack of
-every lookup of KEY while importing MODULES (as a zygote would, PYTORCH_NVML_BASED_CUDA_CHECK=1).
+every lookup of KEY (or of any variable named PREFIX... for a KEY of PREFIX*) while importing
+MODULES (as a zygote would, PYTORCH_NVML_BASED_CUDA_CHECK=1).
 
     device: PYTHONPATH=/tmp/site-pool:$PWD python3 scripts/gpu/who_reads.py KEY [modules]
 """
@@ -9,6 +10,7 @@ import sys
 import traceback
 
 key = sys.argv[1]
+watched = (lambda name: name.startswith(key[:-1])) if key.endswith("*") else key.__eq__
 modules = (sys.argv[2] if len(sys.argv) > 2 else "torch,megatron.core,modelopt.torch").split(",")
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 seen = []
@@ -16,13 +18,13 @@ seen = []
 
 class Watching(type(os.environ)):
     def __getitem__(self, name):
-        if name == key:
-            seen.append(("read", traceback.extract_stack(limit=12)[:-1]))
+        if watched(name):
+            seen.append((f"read {name}", traceback.extract_stack(limit=12)[:-1]))
         return super().__getitem__(name)
 
     def __setitem__(self, name, value):
-        if name == key:
-            seen.append((f"set {value!r}", traceback.extract_stack(limit=12)[:-1]))
+        if watched(name):
+            seen.append((f"set {name}={value!r}", traceback.extract_stack(limit=12)[:-1]))
         return super().__setitem__(name, value)
 
 
@@ -30,7 +32,8 @@ os.environ.__class__ = Watching
 for name in modules:
     importlib.import_module(name)
 os.environ.__class__ = Watching.__mro__[1]
-print(f"{key} after importing {modules}: {os.environ.get(key)!r}; threadpoolctl loaded: "
+after = sorted((k, v) for k, v in os.environ.items() if watched(k))
+print(f"{key} after importing {modules}: {after}; threadpoolctl loaded: "
       f"{'threadpoolctl' in sys.modules}; torch_geometric loaded: {'torch_geometric' in sys.modules}")
 for what, stack in seen:
     print(f"-- {what} by:")
