@@ -6,6 +6,9 @@ Requests: a 4-byte big-endian length, then a JSON object; fds ride on the first 
     op "step"    spec: StepSpec fields    fds: stdin, output (or a spawned interpreter's fds)
     op "status"                           the zygote answers with a "status" event
     op "stop"                             the zygote answers "stopping" and ends its steps
+    op "hold"    pgid                     the caller's own subprocess step (whose interpreters
+                                          the zygote forks): the zygote kills its group when
+                                          the connection ends without op "release"
 
 The same frame carries a step to a pre-warmed child and a rank's orders (a StepSpec) from its
 agent. After a "step" request the caller may write op lines on the connection:
@@ -23,6 +26,8 @@ Events are JSON lines, read by one ``EventReader`` per connection:
     exit      returncode   the step ended (reported by the step itself, and again by its reaper)
     status    (the zygote's status)   answer to op "status"
     stopping  pid          answer to op "stop"
+    staying   steps        on a zygote's "alive" socket, once its starter is done with it: it
+                           stopped serving and stays only as the parent of these steps
     refused   reason       the peer's uid differs
 
 EOF before ``exit`` means the zygote died.
@@ -36,8 +41,8 @@ import socket
 import struct
 
 __all__ = ["MAX_FRAME", "OPS", "EVENTS", "ProtocolError", "send_request", "recv_request",
-           "recv_request_blocking", "RequestReader", "send_event", "send_op", "EventReader", "drain",
-           "peer_uid"]
+           "recv_request_blocking", "RequestReader", "send_event", "send_op", "EventReader",
+           "read_events_until_eof", "drain", "peer_uid"]
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 256 * 1024 * 1024  # argv + env; far above what exec() itself accepts
@@ -46,12 +51,12 @@ FIRST_SEND = 65536
 
 # op -> required fields; event -> required fields.
 OPS = {"step": ("spec",), "status": (), "stop": (), "signal": ("signum",),
-       "ran_fresh": ("reason",)}
+       "ran_fresh": ("reason",), "hold": ("pgid",), "release": ()}
 EVENTS = {"started": ("pid",), "exec": ("t",),
           "error": ("type", "errno", "strerror", "filename"),
           "fallback": ("reason",), "fresh": ("reason",), "exit": ("returncode",),
           "stopped": ("signum", "relayed"), "status": ("pid",),
-          "stopping": ("pid",), "refused": ("reason",), "granted": ("gpus", "waited_s")}
+          "stopping": ("pid",), "staying": ("steps",), "refused": ("reason",), "granted": ("gpus", "waited_s")}
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -227,6 +232,15 @@ class EventReader:
             messages.append(_check(message, "event", EVENTS) if "event" in message
                             else _check(message, "op", OPS))
         return messages
+
+
+def read_events_until_eof(sock: socket.socket) -> list[dict]:
+    """Every event a peer sends until it closes the connection (a one-shot answer)."""
+    reader = EventReader()
+    events: list[dict] = []
+    while data := sock.recv(1 << 16):
+        events += reader.feed(data)
+    return events
 
 
 def drain(fd: int) -> None:

@@ -115,9 +115,9 @@ class Launcher:
         step_cwd = check_cwd(cwd)
         wanted = Settings.from_env(step_env)  # a bad launcher variable in env= is the caller's error
 
-        def plain(reason: str, run_env: Mapping[str, str] = step_env) -> StepResult:
+        def plain(reason: str, run_env: Mapping[str, str] = step_env, zygote=None) -> StepResult:
             return run_subprocess(args, cwd, run_env, timeout, check, echo, reason, capture,
-                                  relay)
+                                  relay, held_by=zygote.connect if zygote else None)
 
         if not Settings.from_env().enabled:
             return self._count(plain("PRELOAD_LAUNCHER=0"))
@@ -161,16 +161,18 @@ class Launcher:
                            reason: str, nested: bool) -> StepResult:
         """A step the zygote cannot serve runs as a subprocess; the interpreters it starts
         (python, torchrun, accelerate on its PATH) are forked by the zygote (``standin``)."""
-        path = None
+        path = zygote = None
         if nested:
             try:
-                path = self.zygote_for_standins(step_env).path_for(step_env, step_cwd)
+                zygote = self.zygote_for_standins(step_env)
+                path = zygote.path_for(step_env, step_cwd)
             except (LauncherError, OSError):
                 path = None
         if path is None:
             return self._count(plain(reason))
+        # The zygote holds the step's group: it goes if this process does (pytest-timeout).
         result = plain(f"{reason}; the interpreters it starts are forked by the zygote",
-                       dict(step_env, PATH=path))
+                       dict(step_env, PATH=path), zygote)
         with self._lock:
             self.stats["with_standins"] += 1
         return self._count(result)

@@ -209,10 +209,12 @@ def decode(data: bytes) -> str:
 
 
 def run_subprocess(args, cwd, env, timeout, check, echo, reason, capture=True,
-                   relay=False) -> StepResult:
+                   relay=False, held_by=None) -> StepResult:
     """The plain path: ``subprocess.run`` semantics, the step in its own process group.
     ``capture`` False: the step writes to the caller's own stdout and stderr. ``relay``: this
-    process stands for the step (``wait_relaying``), its signals going to the step's group."""
+    process stands for the step (``wait_relaying``), its signals going to the step's group.
+    ``held_by``: connects to the zygote that forks the step's interpreters, which then ends the
+    step's group if this process ends first (``hold``)."""
     start = time.monotonic()
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if capture else {}
     mirror = Mirror() if relay else None  # in place before the step runs (``wait_relaying``)
@@ -224,6 +226,35 @@ def run_subprocess(args, cwd, env, timeout, check, echo, reason, capture=True,
         if mirror is not None:
             mirror.uninstall()
         raise
+    held = hold(held_by, proc.pid)
+    try:
+        return _finish_subprocess(proc, args, timeout, check, echo, reason, capture, mirror, start)
+    finally:
+        if held is not None:  # the step ended while we were here: the zygote lets it be
+            protocol.send_op(held, "release")
+            held.close()
+
+
+def hold(connect, pgid: int) -> Optional[socket.socket]:
+    """A connection on which the zygote holds process group ``pgid``: it kills the group when
+    the connection ends without ``release`` (this process died: a step lives as long as its
+    caller, as a forked step does). None without a zygote."""
+    if connect is None:
+        return None
+    try:
+        sock = connect()
+    except OSError:
+        return None
+    try:
+        protocol.send_request(sock, {"op": "hold", "pgid": pgid}, [])
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _finish_subprocess(proc: subprocess.Popen, args, timeout, check, echo, reason, capture,
+                       mirror: Optional[Mirror], start: float) -> StepResult:
     with proc:
         chunks: list[bytes] = []
         reader = threading.Thread(target=_pump_pipe, args=(proc, chunks, echo), daemon=True)

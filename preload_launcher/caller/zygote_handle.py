@@ -10,7 +10,6 @@ import errno
 import itertools
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from ..interpreter import ZYGOTE_CWD, import_env_mismatch
 from ..result import LauncherError
 from ..rundir import MAX_SOCKET_PATH
 from ..settings import Settings, ZygoteConfig
+from .waiting import kill_group
 
 __all__ = ["ZygoteProcess"]
 
@@ -85,7 +85,7 @@ class ZygoteProcess:
         self.gpus = self.settings.gpus if gpus is None else gpus  # packing: "", auto, or ids
         self.process: Optional[subprocess.Popen] = None
         self.status: dict = {}
-        self._alive_w = -1
+        self._alive: Optional[socket.socket] = None  # its end is EOF once we are done with it
         self._ready_r = -1
         self._ready = threading.Event()
         self._ready_lock = threading.Lock()
@@ -110,7 +110,9 @@ class ZygoteProcess:
             os.umask(old_umask)
         listener.listen(128)
         ready_r, ready_w = os.pipe()
-        alive_r, alive_w = (-1, -1) if self.daemon else os.pipe()
+        # A socket, not a pipe: the zygote answers on it that it stays for its steps.
+        alive, alive_theirs = (None, None) if self.daemon else socket.socketpair()
+        alive_r = alive_theirs.fileno() if alive_theirs else -1
         config = self.config(listener.fileno(), ready_w, alive_r)
         pass_fds = [fd for fd in (listener.fileno(), ready_w, alive_r, self.lock_fd) if fd >= 0]
         try:
@@ -122,9 +124,9 @@ class ZygoteProcess:
         finally:
             listener.close()
             os.close(ready_w)
-            if alive_r >= 0:
-                os.close(alive_r)
-        self._alive_w, self._ready_r = alive_w, ready_r
+            if alive_theirs is not None:
+                alive_theirs.close()
+        self._alive, self._ready_r = alive, ready_r
 
     def install_standins(self) -> None:
         """Written here, not by the zygote, so a step may run before the preload is done: its
@@ -236,7 +238,7 @@ class ZygoteProcess:
         z.modules, z.env, z.socket_path, z.daemon, z.process = [], {}, socket_path, True, None
         z.lock_fd = -1
         z.settings = Settings()
-        z.log_path, z.cache_dir, z._alive_w, z._ready_r = "", "", -1, -1
+        z.log_path, z.cache_dir, z._alive, z._ready_r = "", "", None, -1
         z._ready, z._start_error, z._ready_lock = threading.Event(), None, threading.Lock()
         z.status = z.request("status")
         z.modules = list(z.status["modules"])
@@ -295,17 +297,16 @@ class ZygoteProcess:
             return  # a daemon outlives its handles; `preload-launcher stop` ends it
         preloading = self.process is not None and self.process.poll() is None \
             and not self.poll_ready() and self._start_error is None
-        if self._alive_w >= 0:
-            os.close(self._alive_w)  # EOF on its alive pipe: the zygote exits
-            self._alive_w = -1
-        clean = False
+        # EOF on its alive socket: it stops serving (it reads that only once it serves). One
+        # that stays for steps whose callers wait for them removed its files itself.
+        staying = self._done_with_it(timeout=0 if preloading else 5)
+        clean = preloading or staying
         if preloading:
-            # It reads its alive pipe only once it serves: a session shorter than the preload
-            # would wait for it. Nothing failed; it and its scouts go now, with its files.
-            _kill_group(self.process.pid)
+            # A session shorter than the preload would wait for it. Nothing failed; it and its
+            # scouts go now, with its files.
+            kill_group(self.process.pid)
             self.process.wait()
-            clean = True
-        elif self.process is not None:
+        elif self.process is not None and not staying:
             try:
                 clean = self.process.wait(timeout=5) == 0
             except subprocess.TimeoutExpired:
@@ -313,9 +314,25 @@ class ZygoteProcess:
                 self.process.wait()
         # A zygote that ended well leaves nothing behind; a failed one keeps its log.
         files = zygote_files(self.socket_path)
-        remove_all(files["socket"], files["standins"], files["ready"])
+        remove_all(files["socket"], files["ready"], *([] if staying else [files["standins"]]))
         if clean:
             unlink_all(files["log"])
+
+    def _done_with_it(self, timeout: float) -> bool:
+        """Tell the zygote we are done with it; True when it answers that it stays only as the
+        parent of steps whose callers wait for them (a program a test left running): the
+        session does not wait for those, as it would not for the programs."""
+        alive, self._alive = self._alive, None
+        if alive is None:
+            return False
+        with alive:
+            try:
+                alive.shutdown(socket.SHUT_WR)
+                alive.settimeout(timeout)
+                events = protocol.read_events_until_eof(alive) if timeout else []
+            except OSError:  # it is gone already
+                events = []
+        return any(event.get("event") == "staying" for event in events)
 
     # -------------------------------------------------------------- requests
 
@@ -339,7 +356,7 @@ class ZygoteProcess:
         """A one-shot request (``status`` or ``stop``); returns the reply event."""
         with self.connect() as sock:
             protocol.send_request(sock, {"op": op}, [])
-            events = _read_events_until_eof(sock)
+            events = protocol.read_events_until_eof(sock)
         if not events:
             raise ConnectionResetError(f"no answer from the zygote at {self.socket_path}")
         return events[0]
@@ -353,16 +370,6 @@ class ZygoteProcess:
             sock.close()
             raise
         return sock
-
-
-def _read_events_until_eof(sock: socket.socket) -> list[dict]:
-    reader = protocol.EventReader()
-    events: list[dict] = []
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            return events
-        events += reader.feed(data)
 
 
 def _show_progress(log_path: str, offset: int, stream) -> int:
@@ -389,10 +396,3 @@ def _tail(path: str, limit: int = 4000) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -122,6 +122,15 @@ class WarmPool:
                 warm.sock.close()
                 self.waiting[kind] = None
 
+    def empty(self) -> None:
+        """The zygote stops serving: the waiting children go (none holds a CUDA context for
+        a step that will not come)."""
+        for kind, warm in self.waiting.items():
+            if warm is not None:
+                runtime.signal_group(warm.pid, signal.SIGKILL)  # reaped as a non-step
+                warm.sock.close()
+                self.waiting[kind] = None
+
     def pid(self, kind: str) -> Optional[int]:
         warm = self.waiting.get(kind)
         return warm.pid if warm else None

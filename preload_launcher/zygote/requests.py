@@ -1,7 +1,8 @@
 """Stage 3b: the zygote's connections. A request is read as it arrives and answered (status,
-stop) or forked as a step: a stand-in's command classified first, a stale or dirty zygote's
-refusal sent back, a packed step held until its GPUs are free, and the child handed only its own
-fds. ``server.Zygote`` owns the start-up, the selector loop, reaping and stopping.
+stop), held (a caller's subprocess step's group, ended if the caller goes) or forked as a step:
+a stand-in's command classified first, a stale or dirty zygote's refusal sent back, a packed
+step held until its GPUs are free, and the child handed only its own fds. ``server.Zygote``
+owns the start-up, the selector loop, reaping and stopping (and staying for its steps).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..interpreter import import_env_mismatch
 from ..process_attrs import affinity_change
 from ..step import become, runtime
 from . import threads
-from .running import Step
+from .running import Hold, Step
 
 __all__ = ["ZygoteRequests", "say"]
 
@@ -77,7 +78,13 @@ class ZygoteRequests:
             conn.close()
             return
         request, fds = got
-        spec = request.get("spec")
+        spec, pgid = request.get("spec"), request.get("pgid")
+        if request.get("op") == "hold" and isinstance(pgid, int) and pgid > 1 and not fds \
+                and pgid != os.getpgrp():
+            conn.setblocking(False)
+            self.holds[conn.fileno()] = Hold(pgid, conn)
+            self.selector.register(conn, selectors.EVENT_READ, self.holds[conn.fileno()])
+            return
         if request.get("op") == "step" and isinstance(spec, dict) and len(fds) == (
                 2 if spec.get("fd_targets") is None else len(spec["fd_targets"])):
             self.fork_step(conn, spec, fds)
@@ -179,6 +186,20 @@ class ZygoteRequests:
         waiting.conn.close()
         self.start_granted()  # the head of the queue may have been holding others back
 
+    def drop_unstarted(self) -> None:
+        """The zygote stops serving: requests still being read and steps still waiting for
+        GPUs never start here (their callers hear EOF: a stand-in runs the real program)."""
+        for pending in self.pending.values():
+            self.selector.unregister(pending.sock)
+            pending.close_fds()
+            pending.sock.close()
+        self.pending.clear()
+        for waiting in list(self.gpus.queue) if self.gpus else []:
+            self.gpus.forget(waiting)
+            self.selector.unregister(waiting.conn)
+            runtime.close_fds(waiting.fds)
+            waiting.conn.close()
+
     def count_standin_fallback(self, reason: str) -> None:
         """Why stand-ins ran the real program, for ``status`` and the pytest summary."""
         say("a stand-in runs the real program: %s", reason)
@@ -254,6 +275,28 @@ class ZygoteRequests:
         if (self.warm and not self.stopping and not self.restart_reason
                 and not cuda.fork_refusal(self.probe)):
             self.warm.fill()
+
+    def on_hold_conn(self, held: Hold) -> None:
+        """The holding caller released its step's group (the step ended), or went away: then
+        the group goes, with the stand-ins in it (and so their programs)."""
+        try:
+            data = held.conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            try:
+                held.released |= any(m.get("op") == "release" for m in held.reader.feed(data))
+            except protocol.ProtocolError:
+                pass
+            return
+        self.last_request = time.monotonic()  # idle from the end of the last step
+        self.selector.unregister(held.conn)
+        del self.holds[held.conn.fileno()]
+        held.conn.close()
+        if not held.released:
+            runtime.signal_group(held.pgid, signal.SIGKILL)
 
     def on_step_conn(self, running: Step) -> None:
         """A message from the client of a running step: a signal to forward, or EOF."""

@@ -8,7 +8,7 @@ import socket
 from .. import protocol
 from ..step import runtime
 
-__all__ = ["Step"]
+__all__ = ["Step", "Hold"]
 
 
 class Step:
@@ -32,3 +32,15 @@ class Step:
             os.kill(self.pid, signum)
         except ProcessLookupError:
             pass
+
+
+class Hold:
+    """A caller's step run as a subprocess (a shell step whose interpreters this zygote forks):
+    its process group is killed when the caller's connection ends without ``release``, as a
+    forked step is when its caller goes (pytest-timeout's ``os._exit``)."""
+
+    def __init__(self, pgid: int, conn: socket.socket) -> None:
+        self.pgid = pgid
+        self.conn = conn
+        self.reader = protocol.EventReader()
+        self.released = False

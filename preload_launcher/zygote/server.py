@@ -27,7 +27,7 @@ from .culprits import hint_holds
 from .preload import Preloader, PreloadReport, Quarantined, StalenessWatch, freeze_image
 from .prewarm import WarmPool
 from .requests import ZygoteRequests, say
-from .running import Step
+from .running import Hold, Step
 
 __all__ = ["main"]
 
@@ -43,6 +43,7 @@ class Zygote(ZygoteRequests):
         self.selector = selectors.DefaultSelector()
         self.steps: dict[int, Step] = {}  # pid -> step
         self.pending: dict[int, protocol.RequestReader] = {}  # fd -> a request being read
+        self.holds: dict[int, Hold] = {}  # fd -> a caller's subprocess step's group held
         self.served = 0
         self.started_at = time.time()
         self.report: Optional[PreloadReport] = None
@@ -50,6 +51,7 @@ class Zygote(ZygoteRequests):
         self.signal_handlers: dict[int, object] = {}
         self.own_fds: list[int] = []
         self.stopping = False
+        self.ending_steps = False  # the stop ends the running steps too (else: their callers do)
         self.watch: Optional[StalenessWatch] = None
         self.env_set_by_preload: dict[str, str] = {}
         self.learn_reports_dir = ""
@@ -191,8 +193,13 @@ class Zygote(ZygoteRequests):
             elif not events and self.idle_left() == 0:
                 self.request_stop(f"idle for {self.config.idle_timeout_s:.0f} s")
             self.dispatch(events)
+        staying = self.stop_serving()
+        while (self.steps or self.holds) and not self.ending_steps:  # until their callers go
+            self.dispatch(self.selector.select())
         for running in list(self.steps.values()):
             runtime.signal_group(running.pid, signal.SIGKILL)
+        if staying:
+            remove_all(zygote_files(self.config.socket_path)["standins"])
 
     def dispatch(self, events: list) -> None:
         """Handle one ``select`` batch in order. An event whose registration an earlier one
@@ -207,13 +214,15 @@ class Zygote(ZygoteRequests):
                 protocol.drain(key.fd)
                 self.reap()
             elif key.data == "alive":
-                self.request_stop("its starter went away")
+                self.request_stop("its starter went away", steps_too=False)
             elif isinstance(key.data, str):
                 self.settle_hint(key.data, key.fileobj)
             elif isinstance(key.data, protocol.RequestReader):
                 self.on_request(key.data)
             elif isinstance(key.data, gpus.Waiting):
                 self.on_waiting_conn(key.data)
+            elif isinstance(key.data, Hold):
+                self.on_hold_conn(key.data)
             else:
                 self.on_step_conn(key.data)
 
@@ -266,25 +275,52 @@ class Zygote(ZygoteRequests):
             learned["in_session"] = learned.get("in_session", 0) + summary["imported"]
             say("learned %d modules while idle (%.2f s)", summary["imported"], summary["seconds"])
 
-    def remove_files(self) -> None:
+    def stop_serving(self) -> bool:
+        """Take no request from here on; returns whether the zygote stays, as the parent of
+        the steps whose callers still wait for them (its starter went away: a test left a
+        program running). The socket and files go now, so nothing is left of a session that
+        ended (the stand-ins last, once those steps ended: a step's multiprocessing may run
+        them), with the warm children and the requests that never started; the starter hears
+        that the zygote stays, and does not wait for it."""
+        self.selector.unregister(self.listener)
+        self.listener.close()
+        self.drop_unstarted()
+        if self.warm:
+            self.warm.empty()
+        staying = bool(self.steps or self.holds) and not self.ending_steps
+        self.remove_files(keep_standins=staying)
+        if self.config.alive_fd >= 0:
+            self.selector.unregister(self.config.alive_fd)
+            if staying:
+                say("staying for %d running steps whose callers wait for them", len(self.steps))
+                protocol.send_event(self.config.alive_fd, "staying", steps=len(self.steps))
+            os.close(self.config.alive_fd)
+        return staying
+
+    def remove_files(self, keep_standins: bool = False) -> None:
         """A zygote that stopped as asked (or because its starter went away) leaves nothing
         behind: its socket, spawn proxy and log, and a daemon's metadata and lock while it
         holds the lock (no other daemon of its name can have started: the files are its own;
         the lock file goes last, while still held)."""
         files = zygote_files(self.config.socket_path)
+        if keep_standins:
+            del files["standins"]
         if not self.config.daemon or self.config.lock_fd >= 0 or \
                 (read_json(files["meta"]) or {}).get("pid") == os.getpid():
             remove_all(*files.values())
 
     def idle_left(self) -> Optional[float]:
         """Seconds until a daemon idle since its last request stops (None: no limit)."""
-        if not self.config.idle_timeout_s or self.steps:
+        if not self.config.idle_timeout_s or self.steps or self.holds:
             return None
         return max(0.0, self.last_request + self.config.idle_timeout_s - time.monotonic())
 
-    def request_stop(self, why: str) -> None:
+    def request_stop(self, why: str, steps_too: bool = True) -> None:
+        """Stop serving. ``steps_too``: the running steps end now (`stop`, SIGTERM, also while
+        the zygote stays for them); else each lives as long as its caller waits for it."""
         say("stopping: %s", why)
         self.stopping = True
+        self.ending_steps = self.ending_steps or steps_too
 
     def reap(self) -> None:
         while True:
@@ -339,7 +375,9 @@ class Zygote(ZygoteRequests):
     def restart_if_idle(self) -> None:
         """A stale daemon re-executes itself once no step of the old image is running and no
         request is half read (exec would drop its connection)."""
-        if self.restart_reason and not self.steps and not self.pending:
+        # Held groups do not wait for it (a shell step would keep its stand-ins from a fresh
+        # image); the new image holds them no more.
+        if self.restart_reason and not (self.steps or self.pending or self.stopping):
             say("restarting: %s", self.restart_reason)
             signal.set_wakeup_fd(-1)
             self.reexec()
@@ -350,5 +388,4 @@ def main(config_json: str, base_path: list[str]) -> None:
     zygote = Zygote(ZygoteConfig.from_json(config_json), Settings.from_env(), base_path)
     zygote.start()
     zygote.serve()
-    zygote.remove_files()
     os._exit(0)
