@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 
@@ -46,12 +47,15 @@ def plugin_installed() -> bool:
                for ep in importlib.metadata.entry_points(group="pytest11"))
 
 
-def pytest_command(way: str, tests: list[str], out: str, basetemp: str) -> list[str]:
+def pytest_command(way: str, tests: list[str], out: str, basetemp: str,
+                   test_timeout_s: float = 0) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-o", "junit_duration_report=call",
            "-o", "junit_logging=system-out", "-o", "junit_log_passing_tests=false",
            "-v", "-rA", "--durations=0", "--strict-markers", "-p", "no:cacheprovider",
            "-p", "modelopt_lane_swap", f"--junitxml={os.path.join(out, way + '.xml')}",
            f"--basetemp={basetemp}"]
+    if test_timeout_s:  # pytest-timeout fails a hung test, so the session still reports
+        cmd += [f"--timeout={test_timeout_s:g}"]
     if way != "subprocess":
         if not plugin_installed():  # -p: the plugin by name where the package is on PYTHONPATH
             cmd += ["-p", "preload_launcher.pytest_plugin"]
@@ -94,7 +98,9 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     basetemp = tempfile.mkdtemp(prefix=f"lane-tmp-{way}-")
     log = os.path.join(args.out, way + ".log")
     env = session_env(way, args, cache, os.path.join(args.out, "steps.jsonl"))
-    cmd = pytest_command(way, tests, args.out, basetemp)
+    cmd = pytest_command(way, tests, args.out, basetemp, args.test_timeout_s)
+    # The launcher's runtime folder (zygote logs) where the lane can read it if the session hangs
+    env["XDG_RUNTIME_DIR"] = runtime = tempfile.mkdtemp(prefix=f"lane-run-{way}-")
     print(f"== {way}: {' '.join(cmd[1:])}\n   cache {cache} (empty: {not os.listdir(cache)})",
           flush=True)
     start = time.perf_counter()
@@ -103,6 +109,10 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
         subprocess.run(CLI + ["serve", "--detach", "--pytest"], cwd=args.checkout, env=env,
                        check=True)
         cmd = CLI + ["run", "-v", "--"] + cmd
+    # A zygote removes its log when its session ends: copied every 10 s while the session runs.
+    copying = threading.Event()
+    threading.Thread(target=keep_logs, daemon=True, args=(
+        runtime, os.path.join(args.out, way + "-launcher-logs"), copying)).start()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=args.checkout, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -120,8 +130,23 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     if way == "forked":
         subprocess.run(CLI + ["stop"], cwd=args.checkout, env=env)
     shutil.rmtree(basetemp, ignore_errors=True)
+    copying.set()
     shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(runtime, ignore_errors=True)
     return wall, rc, log
+
+
+def keep_logs(runtime: str, dest: str, done: threading.Event) -> None:
+    """The launcher's logs (a zygote's z-*.log), copied every 10 s until ``done``."""
+    while not done.wait(10):
+        for folder, _, files in os.walk(runtime):
+            for name in files:
+                if name.endswith(".log"):
+                    os.makedirs(dest, exist_ok=True)
+                    try:
+                        shutil.copy(os.path.join(folder, name), dest)
+                    except OSError:
+                        pass  # removed meanwhile
 
 
 def junit_results(path: str) -> dict[str, tuple[str, float, str]]:
@@ -312,6 +337,8 @@ def main() -> None:
     parser.add_argument("--modules", default=DEFAULT_MODULES, help="the launcher's preload set")
     parser.add_argument("--session-limit-s", type=float, default=540,
                         help="stop a pytest session after this many seconds")
+    parser.add_argument("--test-timeout-s", type=float, default=0,
+                        help="pytest-timeout's --timeout for every test (0: none)")
     parser.add_argument("--torch-extensions", default="",
                         help="TORCH_EXTENSIONS_DIR for every way: a pre-built folder, or 'fresh' "
                              "(an empty one per way); default: torch's own")
