@@ -54,8 +54,10 @@ def pytest_command(way: str, tests: list[str], out: str, basetemp: str,
            "-v", "-rA", "--durations=0", "--strict-markers", "-p", "no:cacheprovider",
            "-p", "modelopt_lane_swap", f"--junitxml={os.path.join(out, way + '.xml')}",
            f"--basetemp={basetemp}"]
-    if test_timeout_s:  # pytest-timeout fails a hung test, so the session still reports
-        cmd += [f"--timeout={test_timeout_s:g}"]
+    if test_timeout_s:  # pytest-timeout's thread method: every thread's stack of a hung test
+        # (its signal method waits for the main thread to come back from C, which a deadlock
+        # never does), then the session ends
+        cmd += [f"--timeout={test_timeout_s:g}", "--timeout-method=thread"]
     if way != "subprocess":
         if not plugin_installed():  # -p: the plugin by name where the package is on PYTHONPATH
             cmd += ["-p", "preload_launcher.pytest_plugin"]
@@ -338,7 +340,7 @@ def main() -> None:
     parser.add_argument("--session-limit-s", type=float, default=540,
                         help="stop a pytest session after this many seconds")
     parser.add_argument("--test-timeout-s", type=float, default=0,
-                        help="pytest-timeout's --timeout for every test (0: none)")
+                        help="pytest-timeout's --timeout for every test, thread method (0: none)")
     parser.add_argument("--torch-extensions", default="",
                         help="TORCH_EXTENSIONS_DIR for every way: a pre-built folder, or 'fresh' "
                              "(an empty one per way); default: torch's own")
