@@ -37,7 +37,6 @@ while True:
 
 LEAVES_A_SERVER = """
 import os, subprocess, sys, time
-from preload_launcher.files import zygote_files
 
 
 def until(condition):
@@ -49,8 +48,7 @@ def until(condition):
 def test_starts_a_server_and_leaves_it(request):
     if os.environ["PRELOAD_LAUNCHER"] == "suite":  # its zygote serves: the server is forked
         zygote = request.getfixturevalue("preload_launcher").zygote_for_standins(os.environ)
-        zygote.wait_ready()  # its preload; it serves stand-ins once its loop runs (its mark)
-        until(lambda: os.path.exists(zygote_files(zygote.socket_path)["ready"]))
+        zygote.wait_ready()  # its preload; marked for stand-ins before it says it is ready
     ready = os.environ["SERVER_READY"]
     popen = subprocess.Popen([sys.executable, "server.py", os.environ["SERVER_NAME"], ready],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -1,15 +1,18 @@
 """The edges of a switched session, each as without the launcher: a launch made before the
-preload is done runs at once, a session shorter than the preload neither waits for it nor
+preload is done runs at once, one made once the zygote is ready is served, a session shorter than the preload neither waits for it nor
 leaves files, what a test leaked is cleaned up when the test process ends, and Popen's
 identity arguments reach the program."""
 
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
 from conftest import PY, program
+from preload_launcher.caller.zygote_handle import ZygoteProcess
+from preload_launcher.files import zygote_files
 
 
 def test_a_launch_before_the_preload_is_done_does_not_wait_for_it(tmp_path):
@@ -26,6 +29,56 @@ def test_a_launch_before_the_preload_is_done_does_not_wait_for_it(tmp_path):
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert seen == {"early": [0, "False\n"], "late": [0, "True\n"]}, seen
+
+
+# Holds the zygote where it creates its `.ready` mark (the only `.ready` it opens), until
+# $MARK_RELEASE exists; $MARK_HELD says it is held. An audit hook sees every os.open.
+HOLD_AT_MARK = """
+import os, sys, time
+HELD, RELEASE = os.environ["MARK_HELD"], os.environ["MARK_RELEASE"]
+
+
+def hold(event, args):
+    if event == "open" and str(args[0]).endswith(".ready") and not os.path.exists(HELD):
+        os.close(os.open(HELD, os.O_WRONLY | os.O_CREAT))
+        while not os.path.exists(RELEASE):
+            time.sleep(0.05)
+
+
+sys.addaudithook(hold)
+"""
+
+
+def test_a_launch_made_once_the_zygote_is_ready_is_served(tmp_path):
+    """The zygote creates its `.ready` mark, which a stand-in checks before asking it, before
+    it tells its starter that it is ready: a launch made as soon as ``wait_ready`` returns is
+    forked (it ran the real program when the mark came later, now and then, under load). The
+    zygote is held where it creates the mark: its starter must not have heard from it then."""
+    (tmp_path / "hold_at_mark.py").write_text(HOLD_AT_MARK)
+    held, release = tmp_path / "held", tmp_path / "release"
+    env = dict(os.environ, MARK_HELD=str(held), MARK_RELEASE=str(release),
+               PATH=os.pathsep.join([os.path.dirname(PY), os.environ.get("PATH", "")]),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    zygote = ZygoteProcess(["hold_at_mark"], env).launch()
+    try:
+        deadline = time.monotonic() + 120  # a start-up, not a measurement
+        while not held.exists() and zygote.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held.exists(), zygote.log_path
+        told_before_the_mark = zygote.poll_ready()
+        release.touch()
+        zygote.wait_ready()
+        marked = os.path.exists(zygote_files(zygote.socket_path)["ready"])
+        path = zygote.path_for(env, str(tmp_path))  # stand-ins first, as a switched test has
+        assert path, "no stand-in for python3"
+        probe = f"import os; print(os.getppid() != {os.getpid()})"  # forked: not our child
+        launched = subprocess.run(["python3", "-c", probe], env=dict(env, PATH=path),
+                                  cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    finally:
+        release.touch()
+        zygote.close()
+    assert (told_before_the_mark, marked) == (False, True)
+    assert (launched.returncode, launched.stdout) == (0, "True\n"), launched.stderr
 
 
 def test_a_session_shorter_than_the_preload_ends_at_once_and_leaves_nothing(tmp_path,

@@ -130,6 +130,12 @@ class Zygote(ZygoteRequests):
         # Every zygote, not only a daemon: a module learned from a test's folder may be edited
         # by the next test, whose step must not run the old code.
         self.watch = StalenessWatch()
+        # Stand-ins ask only a zygote that serves (a stand-in started while it preloads or
+        # restarts runs the real program, never waiting longer than a fresh start). Marked before
+        # anyone is told: a launch made once the starter heard must find the mark (its request
+        # waits in the listener's backlog until the loop runs). Empty: created in one step.
+        os.close(os.open(zygote_files(self.config.socket_path)["ready"],
+                         os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         if self.announced:
             say("restarted; serving again")
             return  # the starter heard from us already; this fd number is not ours any more
@@ -181,10 +187,6 @@ class Zygote(ZygoteRequests):
         self.thread_counts({"env": {}})
         self.fresh_counts.ask_ahead({"OMP_NUM_THREADS": "1"})  # ranks' counts, asked ahead
         self.fill_warm_pool()
-        # Stand-ins ask only a zygote that serves: one started before the preload is done runs
-        # the real program, never waiting longer than a fresh start.
-        os.close(os.open(zygote_files(self.config.socket_path)["ready"],
-                         os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         while not self.stopping:
             events = self.selector.select(0 if self.learn_due and not self.steps
                                           else self.idle_left())
