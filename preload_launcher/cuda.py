@@ -122,12 +122,26 @@ def visible_count(count: int, environ: Mapping[str, str] = os.environ) -> int:
     return min(count, len([v for v in visible.split(",") if v.strip()]))
 
 
+@contextlib.contextmanager
+def _nvml() -> Iterator:
+    """``pynvml`` initialised for this block, in the process asking, and its reference count
+    left as found. NVML's init is counted per process: a reference the launcher kept would let
+    a preloaded module's or a step's query succeed where a fresh interpreter's raises
+    Uninitialized, and a module's extra shutdown would take it away; a process forked while
+    preloading cannot trust the parent's."""
+    import pynvml  # provided by nvidia-ml-py
+    pynvml.nvmlInit()
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _nvml_physical_count():
     """(pynvml, physical GPU count), or (None, 0) without NVML."""
     try:
-        import pynvml  # provided by nvidia-ml-py
-        pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetCount()
+        with _nvml() as pynvml:
+            return pynvml, pynvml.nvmlDeviceGetCount()
     except Exception:
         return None, 0
 
@@ -180,20 +194,23 @@ def _nvml_device_answers(real: Mapping[str, Callable]):
                 return int(ids[index])
         return index
 
-    def handle(device=None):
+    def handle(device=None):  # inside a ``_nvml()`` block only
         return pynvml.nvmlDeviceGetHandleByIndex(physical(device))
 
     def get_device_capability(device=None):
-        return tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle(device)))
+        with _nvml():
+            return tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle(device)))
 
     def get_device_name(device=None):
-        name = pynvml.nvmlDeviceGetName(handle(device))
+        with _nvml():
+            name = pynvml.nvmlDeviceGetName(handle(device))
         return name.decode() if isinstance(name, bytes) else name
 
     def get_device_properties(device=None):
-        nvml = {"name": get_device_name(device),
-                "total_memory": pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total}
-        nvml["major"], nvml["minor"] = get_device_capability(device)
+        with _nvml():
+            nvml = {"name": get_device_name(device),
+                    "total_memory": pynvml.nvmlDeviceGetMemoryInfo(handle(device)).total}
+            nvml["major"], nvml["minor"] = get_device_capability(device)
         return _Properties(device, nvml, real["get_device_properties"])
 
     def device_count():

@@ -73,9 +73,12 @@ def nvml_memory() -> str:
     try:
         import pynvml
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        v1 = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        try:  # NVML's init is counted per process: leave the count as found
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            v1 = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        finally:
+            pynvml.nvmlShutdown()
         return f"total {v1.total}; v2 total {v2.total} reserved {v2.reserved} " \
                f"(total - reserved {v2.total - v2.reserved})"
     except Exception as err:  # an older nvidia-ml-py has no v2
