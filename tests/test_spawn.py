@@ -80,7 +80,10 @@ def test_killed_proxy_takes_its_child_along(light, tmp_path):
         import multiprocessing as mp, os, time
 
         def child():
-            open({str(pidfile)!r}, "w").write(str(os.getpid()))
+            # Written whole before it appears: the parent reads it as soon as it exists.
+            with open({str(pidfile)!r} + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename({str(pidfile)!r} + ".tmp", {str(pidfile)!r})
             time.sleep(60)
 
         if __name__ == "__main__":
