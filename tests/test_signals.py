@@ -6,6 +6,7 @@ seen by the caller and stops the program; a death by signal is the caller's to s
 Differential: each case plainly and through the launcher, the outcomes compared."""
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -126,4 +127,28 @@ def test_a_stand_in_under_the_switch_stops_with_its_program(tmp_path):
     got = signalled("switch", "stop", "pid", command, env, tmp_path, "switch")
     assert got.pop("forked"), "the stand-in ran the real program"
     assert ref["stopped_by"] == signal.SIGTSTP and ref["program_state"] == "T", ref
+    assert got == ref
+
+
+WAITING_TEST = """\
+import os, time
+
+def test_waits():  # one line: the report names it wherever the signal lands
+    os.write(1, f"ready {os.getpid()}\\n".encode()); time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("way", ["daemon", "no_daemon"])
+def test_pytest_ctrl_c_d_through_the_cli_reports_as_plainly(request, tmp_path, way):
+    """Ctrl-C to a pytest session run through the CLI: pytest's KeyboardInterrupt report and
+    its exit code 2, as plainly (the CLI killed it 0.25 s later: 130, no report)."""
+    env = request.getfixturevalue(way)
+    (tmp_path / "test_waits.py").write_text(WAITING_TEST)
+    command = [PY, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p",
+               "no:preload_launcher", str(tmp_path / "test_waits.py")]
+    ref = signalled("plain", signal.SIGINT, "group", command, env, tmp_path)
+    got = signalled("plain", signal.SIGINT, "group", CLI + command, env, tmp_path, "cli")
+    for seen in (ref, got):
+        seen["output"] = re.sub(r" in [\d.]+s", " in Ns", seen["output"])
+    assert ref["returncode"] == 2 and "!! KeyboardInterrupt !!" in ref["output"], ref
     assert got == ref
