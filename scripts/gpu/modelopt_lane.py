@@ -121,6 +121,8 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
         try:
             rc = proc.wait(timeout=args.session_limit_s)
         except subprocess.TimeoutExpired:
+            # What every process was doing at the limit: which one waits, and on what
+            snapshot_processes(os.path.join(args.out, way + "-processes-at-limit.txt"))
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 rc = proc.wait(timeout=20)
@@ -136,6 +138,31 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(runtime, ignore_errors=True)
     return wall, rc, log
+
+
+def snapshot_processes(path: str) -> None:
+    """Every process's pid, parent, group, state, kernel wait channel, threads and command line
+    (from /proc: the GPU image has no gdb, strace or py-spy)."""
+    rows = ["pid ppid pgid state wchan threads command"]
+    for name in sorted(os.listdir("/proc"), key=lambda n: (len(n), n)):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            try:
+                with open(f"/proc/{name}/wchan") as f:
+                    wchan = f.read().strip() or "-"
+            except OSError:
+                wchan = "?"
+        except OSError:
+            continue  # gone meanwhile
+        state, ppid, pgid, threads = fields[0], fields[1], fields[2], fields[17]
+        rows.append(f"{name} {ppid} {pgid} {state} {wchan} {threads} {command[:400]}")
+    with open(path, "w") as f:
+        f.write("\n".join(rows) + "\n")
 
 
 def keep_logs(runtime: str, dest: str, done: threading.Event) -> None:
