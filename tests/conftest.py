@@ -87,7 +87,9 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+def wait_gone(pid: int, timeout: float = 60.0) -> bool:
+    """Whether ``pid`` ends within ``timeout``: a deadline, not a measurement (on a loaded
+    machine a killed process may wait a while to be scheduled, exit and be reaped)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not pid_alive(pid):

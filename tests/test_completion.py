@@ -92,10 +92,12 @@ def test_no_rank_outlives_a_reported_step(torch_launcher, tmp_path):
 
 
 def test_a_forked_copy_of_the_step_does_not_report_for_it(light):
-    # The fork runs to the end of the script first; the step itself exits 3 later.
-    code = ("import os, sys, time\n"
-            "if os.fork() == 0:\n    print('fork done', flush=True)\n    sys.exit(0)\n"
-            "time.sleep(1)\nprint('step done', flush=True)\nsys.exit(3)\n")
+    # The fork runs to the end of the script first (the step waits for it, where a sleep could
+    # be too short under load); the step itself exits 3 later.
+    code = ("import os, sys\n"
+            "fork = os.fork()\n"
+            "if fork == 0:\n    print('fork done', flush=True)\n    sys.exit(0)\n"
+            "os.waitpid(fork, 0)\nprint('step done', flush=True)\nsys.exit(3)\n")
     result = light.run([PY, "-c", code], timeout=30)
     assert result.returncode == 3
     assert result.stdout.splitlines() == ["fork done", "step done"]

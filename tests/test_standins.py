@@ -101,8 +101,9 @@ def test_a_timeout_on_the_script_leaves_no_process(torch_launcher, project):
         torch_launcher.run(["bash", "sleep.sh"], cwd=project, env=step_env(project / "m"),
                            timeout=8)
     words = caught.value.output.split()
-    standin, forked = int(words[words.index("standin") + 1]), int(words[-1] if
-                                                                 words[-1] != "standin" else 0)
+    # bash's echo and the program's print race: the program's pid is the other number.
+    standin = int(words[words.index("standin") + 1])
+    forked = next((int(w) for w in words if w.isdigit() and int(w) != standin), 0)
     assert forked and forked != standin  # the program ran in a forked child, not the stand-in
     assert wait_gone(standin) and wait_gone(forked)
 
@@ -116,10 +117,11 @@ def test_interrupting_the_stand_in_reaches_the_program(torch_launcher, project):
         """))
     (project / "kill.sh").write_text(
         "python trap.py > out.txt &\npid=$!\n"
-        "for i in $(seq 100); do grep -q ready out.txt 2>/dev/null && break; sleep 0.1; done\n"
+        # Up to a minute for the program's start (signalled before its handler, it dies).
+        "for i in $(seq 600); do grep -q ready out.txt 2>/dev/null && break; sleep 0.1; done\n"
         "kill -TERM $pid; wait $pid; echo \"exit $?\"; cat out.txt\n")
     got = torch_launcher.run(["bash", "kill.sh"], cwd=project, env=step_env(project / "m"),
-                             timeout=60)
+                             timeout=120)
     assert got.stdout.split("\n")[:3] == ["exit 7", "ready", "got SIGTERM"], got.stdout
 
 
@@ -278,7 +280,8 @@ WAITER = textwrap.dedent("""\
     rank = os.environ.get("RANK", "0")
     with open(f"program{rank}.pid", "w") as f:
         f.write(str(os.getpid()))
-    print("ready", rank, flush=True)
+    # One write: ranks run with -u and share out.txt (print writes each piece on its own).
+    os.write(1, f"ready {rank}\\n".encode())
     time.sleep(60)
     """)
 

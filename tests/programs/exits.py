@@ -1,12 +1,14 @@
-import os, signal, sys, threading, atexit, time
+import os, signal, sys, threading, atexit
 how = sys.argv[1]
 print("start", flush=False)
 print("to-stderr", file=sys.stderr)
 if how == "atexit":
     atexit.register(lambda: print("atexit ran"))
 elif how == "thread":
+    main_done = threading.Event()  # not a sleep: the main thread may be slow under load
+
     def work():
-        time.sleep(0.3)
+        main_done.wait()
         print("thread finished")
     threading.Thread(target=work).start()
 elif how == "code3":
@@ -25,3 +27,5 @@ elif how == "segv":
 elif how == "keyboard":
     raise KeyboardInterrupt
 print("end")
+if how == "thread":
+    main_done.set()  # the thread finishes after the main thread's end: python waits for it
