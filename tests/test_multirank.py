@@ -132,12 +132,15 @@ def _children_of_zygotes(launcher):
     return pids
 
 
-PRINTER = "import os, sys\nr = os.environ['RANK']\nprint('out from', r)\nprint('err from', r, file=sys.stderr)\n"
+# Each line in one write: under torchrun's `python -u` print() writes its pieces one by one, and
+# --tee's reader, which prefixes what it reads of a rank's log, may read half a line.
+PRINTER = ("import os\nr = os.environ['RANK']\nos.write(1, f'out from {r}\\n'.encode())\n"
+           "os.write(2, f'err from {r}\\n'.encode())\n")
 
 
 def rank_lines(output):
-    """Prefixed (tee'd) lines as they are; unprefixed ranks write python -u's pieces straight to
-    the shared stream (as under torchrun), so those are compared as a multiset of characters."""
+    """Prefixed (tee'd) lines as they are; unprefixed ranks write straight to the shared stream
+    (as under torchrun), so those are compared as a multiset of characters."""
     lines = [l for l in output.splitlines() if not l.startswith(("W1", "*", "Setting OMP"))]
     prefixed = sorted(l for l in lines if l.startswith("[default"))
     loose = sorted("".join(l for l in lines if not l.startswith("[default")).replace(" ", ""))
