@@ -14,13 +14,60 @@ import os
 import signal
 import time
 
-__all__ = ["relayed_signals", "Mirror", "die_like", "stop_like"]
+__all__ = ["relayed_signals", "Mirror", "die_like", "stop_like", "group_orphaned"]
 
 # Left at their default: SIGKILL and SIGSTOP cannot be caught, SIGCHLD is about our own
 # children, and a handler for a fault this process raised itself would return to the faulting
 # instruction and loop (sent from outside, they still end the program, through its stand-in).
 NOT_RELAYED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGSEGV, signal.SIGBUS,
                signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, getattr(signal, "SIGSYS", 31)}
+
+
+# Stops the kernel discards, in an orphaned process group, for a process that takes them at
+# their default disposition (POSIX: nobody is left to continue the group).
+JOB_CONTROL_STOPS = {signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
+
+
+def group_orphaned() -> bool:
+    """Whether this process's group is orphaned: no member has a parent in another group of
+    the same session (a caller's ``start_new_session``; a job whose shell is gone). The
+    program stands in the zygote's session, whose groups never are: what the kernel does to a
+    stop there is done here, for it. False where ``/proc`` cannot tell."""
+    own_group, session = os.getpgrp(), os.getsid(0)
+    processes = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return False
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        processes[int(name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
+    for parent_pid, group, _ in processes.values():
+        if group != own_group:
+            continue
+        parent = processes.get(parent_pid)
+        if parent is not None and parent[1] != own_group and parent[2] == session:
+            return False
+    return True
+
+
+def catches(pid, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (unknown pid: assumed so, which
+    relays as before)."""
+    if pid is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return bool(int(fields["SigCgt"], 16) >> (signum - 1) & 1)
+    except (OSError, KeyError, ValueError):
+        return True
 
 
 def relayed_signals() -> list:
@@ -74,6 +121,7 @@ class Mirror:
         self.last_cont = 0  # the number of the last SIGCONT relayed
         self.before: dict = {}
         self.skip: set = set()
+        self.program = lambda: None  # the program's pid, once known (its handlers are read)
 
     def install(self, skip=()) -> None:
         """Take every relayed signal but ``skip``; before ``relay_to``, not those ignored now:
@@ -118,6 +166,9 @@ class Mirror:
                 signum = self.held.pop(0)
             except IndexError:
                 return
+            if signum in JOB_CONTROL_STOPS and not catches(self.program(), signum) \
+                    and group_orphaned():
+                continue  # the kernel discards it for a program in our place
             self.sent += 1
             if signum == signal.SIGCONT:
                 self.last_cont = self.sent
@@ -126,5 +177,11 @@ class Mirror:
     def on_stopped(self, signum: int, relayed_before: int) -> None:
         """The program stopped, with ``relayed_before`` of our signals delivered to it."""
         if self.last_cont > relayed_before:
+            return
+        if signum != signal.SIGSTOP and group_orphaned():
+            # A stop in our place would have been discarded, and ours would be: the program
+            # goes on (kept stopped, with nobody to continue it, its caller would wait forever).
+            self.held.append(signal.SIGCONT)
+            self._flush()
             return
         stop_like(signum)

@@ -12,7 +12,7 @@ import resource
 import signal
 from typing import Optional
 
-__all__ = ["capture", "apply", "affinity_change"]
+__all__ = ["capture", "place", "apply", "affinity_change"]
 
 RLIMITS = sorted(name for name in dir(resource) if name.startswith("RLIMIT_"))
 # Signals subprocess resets to the default before exec (restore_signals=True): python itself
@@ -53,6 +53,13 @@ def capture() -> dict:
         "ignored_signals": _ignored_signals(status),
         "blocked_signals": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     }
+
+
+def place() -> dict:
+    """Where the process standing for a program (a stand-in, the CLI) stands: a session
+    leader (its caller's ``start_new_session``, ``setsid``) has its program lead a session of
+    its own too. Only such a process's place is the program's: a library caller's is not."""
+    return {"session_leader": os.getsid(0) == os.getpid()}
 
 
 def affinity_change(attrs: dict) -> Optional[list[int]]:

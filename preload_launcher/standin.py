@@ -167,7 +167,7 @@ class Invocation:
     def request(self, fds: list) -> dict:
         return {"args": self.args, "env": self.env, "cwd": os.getcwd(), "spawned": self.spawned,
                 "nested": not self.spawned, "fd_targets": fds,
-                "process": process_attrs.capture()}
+                "process": dict(process_attrs.capture(), **process_attrs.place())}
 
     def become_real(self) -> None:
         """Run the real program, as if this stand-in had never been there (a signal held for
@@ -235,7 +235,9 @@ def main(socket_path: str, ready: str) -> None:
             mirroring.die_like(-signal.SIGKILL)  # the zygote died, and the child with it
         for event in reader.feed(data):
             kind = event.get("event")
-            if kind == "exec" and not running:
+            if kind == "started":
+                mirror.program = lambda pid=int(event["pid"]): pid
+            elif kind == "exec" and not running:
                 running = True
                 for fd in fds[len(stdio):]:  # the child holds them now
                     os.close(fd)

@@ -152,3 +152,35 @@ def test_pytest_ctrl_c_d_through_the_cli_reports_as_plainly(request, tmp_path, w
         seen["output"] = re.sub(r" in [\d.]+s", " in Ns", seen["output"])
     assert ref["returncode"] == 2 and "!! KeyboardInterrupt !!" in ref["output"], ref
     assert got == ref
+
+
+@pytest.mark.parametrize("way", ["daemon", "no_daemon"])
+@pytest.mark.parametrize("sig, stops_itself", [("stop", ""), ("none", "1")])
+def test_in_a_session_of_its_own_a_stop_is_discarded_as_plainly(request, tmp_path, way, sig,
+                                                                 stops_itself):
+    """Started in a session of its own (``start_new_session``), the program leads it and its
+    group is orphaned: the kernel discards a stop at its default (a Ctrl-Z to its group, or
+    one it sends itself) and it runs to its end. Through the daemon the step stopped in the
+    zygote's session, the CLI's own stop was discarded, and its caller waited forever."""
+    env = dict(request.getfixturevalue(way), CHECKPOINT_RUN_S="1", CHECKPOINT_SESSION="1",
+               CHECKPOINT_STOP_ITSELF=stops_itself)
+    command = [PY, program("checkpoint.py"), "SAVED", "default"]
+    ref = signalled("plain", sig, "session", command, env, tmp_path)
+    got = signalled("plain", sig, "session", CLI + command, env, tmp_path, "cli")
+    assert ref["leads_session"] and ref["returncode"] == 0, ref
+    assert ref.get("stopped_by") is None and ref["output"].endswith("done\n"), ref
+    assert got == ref
+
+
+@pytest.mark.parametrize("sig, stops_itself", [("stop", ""), ("none", "1")])
+def test_a_stand_in_in_a_session_of_its_own_is_the_programs_place(tmp_path, sig, stops_itself):
+    """Under the switch, ``Popen(start_new_session=True)``: the forked program leads a
+    session, and a stop is discarded as plainly."""
+    env = dict(os.environ, CHECKPOINT_RUN_S="1", CHECKPOINT_SESSION="1",
+               CHECKPOINT_STOP_ITSELF=stops_itself)
+    command = [PY, program("checkpoint.py"), "SAVED", "default"]
+    ref = signalled("plain", sig, "session", command, env, tmp_path)
+    got = signalled("switch", sig, "session", command, env, tmp_path, "switch")
+    assert got.pop("forked"), "the stand-in ran the real program"
+    assert ref["leads_session"] and ref["returncode"] == 0, ref
+    assert got == ref

@@ -275,6 +275,7 @@ class Launcher:
         mirror = Mirror() if relay else None  # in place before the step runs (``wait_relaying``)
         if mirror is not None:
             mirror.install()
+            spec.process.update(process_attrs.place())  # standing for it: it takes our place
         try:
             zygote, waiter = self._submit(zygote, spec, capture, echo)
         except BaseException:
@@ -289,8 +290,7 @@ class Launcher:
 
     def _submit(self, zygote: ZygoteProcess, spec: StepSpec, capture: bool,
                 echo: bool) -> tuple[ZygoteProcess, StepWait]:
-        """The step sent to ``zygote`` (or to its replacement, where it died between steps):
-        the zygote that has it, and the wait for it."""
+        """The step sent to ``zygote`` (or to its replacement, where it died between steps)."""
         # Our pipe and socket must not take a closed fd's number; the step gets the caller's
         # open ones (``stdio``), as with subprocess.
         with guarded_stdio() as stdio:

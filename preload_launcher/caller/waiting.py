@@ -184,6 +184,7 @@ def wait_relaying(waiter: StepWait, args, timeout: Optional[float], start: float
     for its command as long as it runs). After ``timeout`` the step and everything it started
     are killed."""
     waiter.on_stopped = mirror.on_stopped
+    mirror.program = lambda: waiter.events.get("started", {}).get("pid")
     mirror.relay_to(waiter.send_signal)
     try:
         if not waiter.pump(None if timeout is None else start + timeout):

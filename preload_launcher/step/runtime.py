@@ -64,23 +64,27 @@ class ZygoteState:
 
 # ---------------------------------------------------------------- fork and exit
 
-def fork(body: Callable[[], int], new_group: bool = True) -> int:
+def fork(body: Callable[[], int], new_group: bool = True, new_session: bool = False) -> int:
     """Fork; the child runs ``body`` and ends with its exit code, whatever happens. Returns the
     child's pid. ``new_group``: the child leads its own process group, set on both sides so a
-    ``killpg`` right after the fork cannot miss it (ranks stay in their agent's group)."""
+    ``killpg`` right after the fork cannot miss it (ranks stay in their agent's group).
+    ``new_session``: it leads a session of its own instead (and so a group): set by the child
+    alone, as a group leader cannot start a session."""
     flush_std_streams()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            if new_group:
+            if new_session:
+                os.setsid()
+            elif new_group:
                 os.setpgid(0, 0)
             code = body()
         except BaseException:
             traceback.print_exc()
         finally:
             exit_with(code)
-    if new_group:
+    if new_group and not new_session:
         try:
             os.setpgid(pid, pid)
         except OSError:

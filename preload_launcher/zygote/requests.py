@@ -145,11 +145,15 @@ class ZygoteRequests:
         self.start_step(conn, spec, fds)
 
     def start_step(self, conn: socket.socket, spec: dict, fds: list[int]) -> int:
-        pid = self.warm.hand_over(spec, fds, conn) if self.warm else None
+        # A program whose caller started it in a session of its own leads one (a warm child
+        # leads a group already, and so cannot).
+        new_session = bool(spec.get("process", {}).get("session_leader"))
+        pid = self.warm.hand_over(spec, fds, conn) if self.warm and not new_session else None
         if pid is None:
             conn.settimeout(None)
             state = self.child_state(keep=[*fds, conn.fileno()])
-            pid = runtime.fork(lambda: become.become_step(spec, fds, conn.fileno(), state))
+            pid = runtime.fork(lambda: become.become_step(spec, fds, conn.fileno(), state),
+                               new_session=new_session)
         runtime.close_fds(fds)
         self.served += 1
         self.steps[pid] = Step(pid, conn, standin=bool(spec.get("nested") or spec.get("spawned")))

@@ -21,7 +21,13 @@ def save(signum, _frame):
 if sys.argv[2:] != ["default"]:
     for signum in signal.valid_signals() - UNHANDLED:
         signal.signal(signum, save)
-os.write(1, f"ready {os.getpid()}\n".encode())
+if os.environ.get("CHECKPOINT_SESSION"):  # whether this program leads a session
+    os.write(1, f"ready {os.getpid()} {os.getsid(0) == os.getpid()}\n".encode())
+else:
+    os.write(1, f"ready {os.getpid()}\n".encode())
+if os.environ.get("CHECKPOINT_STOP_ITSELF"):  # a program stopping itself, as a shell's `suspend`
+    os.kill(os.getpid(), signal.SIGTSTP)
+    os.write(1, b"went on\n")
 deadline = time.monotonic() + float(os.environ.get("CHECKPOINT_RUN_S", "60"))
 while time.monotonic() < deadline:
     time.sleep(0.01)

@@ -4,8 +4,11 @@ ended as JSON: ``signalled.py WAY SIGNAL TARGET -- COMMAND…``.
 WAY: ``plain``, or ``switch`` (this process's launches go through the suite switch, as in a
 test of a ``PRELOAD_LAUNCHER=suite`` session, once its zygote serves). TARGET: ``pid``
 (``kill``), ``group`` (``killpg``, as a terminal signals its foreground job; the command then
-leads a group of its own, in this session). SIGNAL ``stop``: SIGTSTP to TARGET, then, once this process saw the
-command stop, SIGCONT; recorded: the stop seen and whether the program itself was stopped.
+leads a group of its own, in this session), ``session`` (``killpg`` to a command started with
+``start_new_session``: its group is orphaned, so the kernel discards a stop at its default).
+SIGNAL ``none``: nothing sent. SIGNAL ``stop``: SIGTSTP to TARGET, then, once this process saw the command stop, SIGCONT;
+recorded: the stop seen (None where the command ended without one) and whether the program
+itself was stopped. The output's first line is ``ready PID``, or ``ready PID LEADS_SESSION``.
 """
 import json
 import os
@@ -26,20 +29,22 @@ if way == "switch":
 # stands for is a terminal's job, which has them at their defaults.
 for default in (signal.SIGINT, signal.SIGQUIT):
     signal.signal(default, signal.SIG_DFL)
-proc = subprocess.Popen(command, stdout=subprocess.PIPE, preexec_fn=os.setpgrp)
+place = {"start_new_session": True} if target == "session" else {"preexec_fn": os.setpgrp}
+proc = subprocess.Popen(command, stdout=subprocess.PIPE, **place)
 ready = proc.stdout.readline().split()
 program = int(ready[1])
-send = os.killpg if target == "group" else os.kill
-seen = {}
+send = os.kill if target == "pid" else os.killpg
+seen = {"leads_session": ready[2] == b"True"} if len(ready) > 2 else {}
 if sig == "stop":
     send(proc.pid, signal.SIGTSTP)
     stopped = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
     seen["stopped_by"] = stopped.si_status if stopped.si_code == os.CLD_STOPPED else None
-    with open(f"/proc/{program}/stat") as f:
-        seen["program_state"] = f.read().rsplit(")", 1)[1].split()[0]
-    os.waitid(os.P_PID, proc.pid, os.WSTOPPED)  # consumed, as a shell's wait would
-    send(proc.pid, signal.SIGCONT)
-else:
+    if seen["stopped_by"] is not None:
+        with open(f"/proc/{program}/stat") as f:
+            seen["program_state"] = f.read().rsplit(")", 1)[1].split()[0]
+        os.waitid(os.P_PID, proc.pid, os.WSTOPPED)  # consumed, as a shell's wait would
+        send(proc.pid, signal.SIGCONT)
+elif sig != "none":
     send(proc.pid, int(sig))
 seen["returncode"] = proc.wait(timeout=60)
 seen["output"] = proc.stdout.read().decode()
