@@ -134,6 +134,10 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     if way == "forked":
         subprocess.run(CLI + ["stop"], cwd=args.checkout, env=env)
     shutil.rmtree(basetemp, ignore_errors=True)
+    made = ["TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"]  # this way's own, made empty for it
+    made += ["TORCH_EXTENSIONS_DIR"] if args.torch_extensions == "fresh" else []
+    for variable in made:
+        shutil.rmtree(env[variable], ignore_errors=True)
     copying.set()
     shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(runtime, ignore_errors=True)
