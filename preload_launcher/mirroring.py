@@ -47,9 +47,10 @@ def group_orphaned() -> bool:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue  # gone meanwhile
-        processes[int(name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
-    for parent_pid, group, _ in processes.values():
-        if group != own_group:
+        processes[int(name)] = (int(fields[1]), int(fields[2]), int(fields[3]), fields[0])
+    for parent_pid, group, _, state in processes.values():
+        # As the kernel counts: not a member that is exiting, nor one whose parent is init.
+        if group != own_group or state in ("Z", "X") or parent_pid == 1:
             continue
         parent = processes.get(parent_pid)
         if parent is not None and parent[1] != own_group and parent[2] == session:
