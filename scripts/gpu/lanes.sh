@@ -149,6 +149,17 @@ while [ $# -gt 0 ]; do
   who-sets) probe who_sets_tf $MO/tests:$MO:$BRIDGE python3 scripts/gpu/who_reads.py 'TF_*' \
               torch,transformers,transformer_engine.pytorch,megatron.core,megatron.bridge,modelopt.torch,_test_utils.torch.transformers_models,_test_utils.torch.puzzletron.utils,modelopt.torch.puzzletron.anymodel
             env | grep '^TF_' || echo "no TF_* in the call's environment"; shift ;;
+  # a torch.compile'd training loop's steady state, plainly and forked (each an empty inductor
+  # and triton cache): spec_compile's forked step trained ~30% slower (2026-12-04)
+  compile-steady)
+    for way in plain forked; do
+      run=(python3 scripts/gpu/compile_steady.py 300)
+      [ $way = forked ] && run=(python3 -m preload_launcher.cli run -v --no-daemon
+        --preload torch,transformers,accelerate,datasets,modelopt.torch -- "${run[@]}")
+      rm -rf /tmp/cs-$way && mkdir -p /tmp/cs-$way
+      probe compile_steady_$way $MO:$HF env TORCHINDUCTOR_CACHE_DIR=/tmp/cs-$way/inductor \
+        TRITON_CACHE_DIR=/tmp/cs-$way/triton "${run[@]}"
+    done; shift ;;
   split-te) split_te "$2" "$3"; shift 3 ;;
   prepare-bridge) prepare_bridge; shift ;;
   prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
