@@ -39,6 +39,15 @@ def model():
     return LlamaForCausalLM(config), lambda m, x: m(input_ids=x, labels=x).loss, ids
 
 
+def origin(fn) -> str:
+    """Where a function held by torch or triton is defined: a built-in, or the file of its code
+    (a wrapper copies ``__module__`` and ``__name__`` from what it wraps; its code it cannot)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return f"built-in {getattr(fn, '__qualname__', type(fn).__name__)}"
+    return f"{os.path.basename(code.co_filename)}:{code.co_name}"
+
+
 def sync():
     if CUDA:
         torch.cuda.synchronize()
@@ -81,7 +90,7 @@ def main():
     import torch._inductor.config as inductor
     from torch._dynamo.device_interface import get_interface_for_device
     interface = get_interface_for_device(DEVICE)
-    held = {name: getattr(getattr(interface, name, None), "__module__", None)
+    held = {name: origin(getattr(interface, name, None))
             for name in ("current_device", "get_device_properties", "device_count",
                          "is_available", "get_compute_capability")}
     triton_driver = {}
@@ -91,7 +100,7 @@ def main():
             active = driver.active
             for name in ("get_current_device", "get_device_capability", "get_current_stream"):
                 fn = getattr(active, name, None)
-                triton_driver[name] = getattr(fn, "__module__", None) or repr(fn)[:60]
+                triton_driver[name] = origin(fn)
         except Exception as error:  # what a step would see is the point: say it
             triton_driver = {"error": repr(error)}
     print(f"RESULT pid={os.getpid()} device={DEVICE} warm_s={warm:.2f} "

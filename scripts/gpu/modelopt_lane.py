@@ -35,7 +35,8 @@ import xml.etree.ElementTree as ET
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
-from modelopt_lane_tests import DROPPED, LANES, POISON  # noqa: E402  (beside this script)
+import lane_processes  # noqa: E402  (beside this script)
+from modelopt_lane_tests import DROPPED, LANES, POISON  # noqa: E402
 
 DEFAULT_MODULES = "torch,transformers,accelerate,datasets,modelopt.torch"
 WAYS = ("subprocess", "launcher", "suite", "forked")
@@ -74,6 +75,7 @@ def session_env(way: str, args, cache: str, steps: str) -> dict:
                PRELOAD_LAUNCHER_MODULES=args.modules, PYTHONUNBUFFERED="1",
                # The GPU machine has no network: the same everywhere, so nothing waits on DNS.
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env[lane_processes.MARK] = f"{way}-{os.getpid()}-{time.time_ns()}"  # its processes' mark
     env.pop("PRELOAD_LAUNCHER", None)
     # torch's JIT extension cache (modelopt builds modelopt_cuda_ext* there on first use): the
     # same start for every way, either one pre-built folder or an empty one each.
@@ -115,24 +117,23 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     copying = threading.Event()
     threading.Thread(target=keep_logs, daemon=True, args=(
         runtime, os.path.join(args.out, way + "-launcher-logs"), copying)).start()
+    before = set(lane_processes.processes())
+    ended = os.path.join(args.out, way + "-ended.txt")  # what the lane ended, for the report
+    if os.path.exists(ended):
+        os.remove(ended)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=args.checkout, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=args.session_limit_s)
         except subprocess.TimeoutExpired:
-            # What every process was doing at the limit: which one waits, and on what
-            snapshot_processes(os.path.join(args.out, way + "-processes-at-limit.txt"))
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
-            print(f"   {way}: stopped after {args.session_limit_s} s (--session-limit-s)", flush=True)
+            rc = stop_at_limit(way, args, proc, before, ended, env[lane_processes.MARK])
     wall = time.perf_counter() - start
     if way == "forked":
         subprocess.run(CLI + ["stop"], cwd=args.checkout, env=env)
+    left = lane_processes.end(lane_processes.made_by(env[lane_processes.MARK], before))
+    if left:  # the next way starts on an idle machine
+        note(ended, f"left running after the session, ended: {len(left)}", left)
     shutil.rmtree(basetemp, ignore_errors=True)
     made = ["TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"]  # this way's own, made empty for it
     made += ["TORCH_EXTENSIONS_DIR"] if args.torch_extensions == "fresh" else []
@@ -144,29 +145,40 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     return wall, rc, log
 
 
-def snapshot_processes(path: str) -> None:
-    """Every process's pid, parent, group, state, kernel wait channel, threads and command line
-    (from /proc: the GPU image has no gdb, strace or py-spy)."""
-    rows = ["pid ppid pgid state wchan threads command"]
-    for name in sorted(os.listdir("/proc"), key=lambda n: (len(n), n)):
-        if not name.isdigit():
-            continue
+def stop_at_limit(way: str, args, proc: subprocess.Popen, before: set, ended: str,
+                  session: str) -> int:
+    """What every process was doing at the limit; then the session's orphans (parent init, not
+    the launcher's daemon) are ended, which lets pytest finish a test that waited on an output
+    pipe an orphan held, and report it; pytest's group is stopped if it still runs 90 s on."""
+    lane_processes.snapshot(os.path.join(args.out, way + "-processes-at-limit.txt"))
+    orphans = [p for p in lane_processes.orphans_of(session, before)
+               if "preload_launcher" not in p.command]
+    lines = lane_processes.end(orphans)
+    if lines:
+        note(ended, f"at the session limit ({args.session_limit_s:.0f} s), orphans the session "
+                    f"made, ended: {len(lines)}", lines)
         try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            try:
-                with open(f"/proc/{name}/wchan") as f:
-                    wchan = f.read().strip() or "-"
-            except OSError:
-                wchan = "?"
-        except OSError:
-            continue  # gone meanwhile
-        state, ppid, pgid, threads = fields[0], fields[1], fields[2], fields[17]
-        rows.append(f"{name} {ppid} {pgid} {state} {wchan} {threads} {command[:400]}")
-    with open(path, "w") as f:
-        f.write("\n".join(rows) + "\n")
+            rc = proc.wait(timeout=90)
+            note(ended, f"pytest then ended by itself (exit {rc}): this way's outcomes are "
+                        f"the ones it reported after that", [])
+            print(f"   {way}: at {args.session_limit_s} s the lane ended {len(lines)} orphans; "
+                  f"pytest ended by itself", flush=True)
+            return rc
+        except subprocess.TimeoutExpired:
+            pass
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait()
+    print(f"   {way}: stopped after {args.session_limit_s} s (--session-limit-s)", flush=True)
+    return rc
+
+
+def note(path: str, title: str, lines: list[str]) -> None:
+    with open(path, "a") as f:
+        f.write("\n".join([title] + ["  " + line for line in lines]) + "\n")
 
 
 def keep_logs(runtime: str, dest: str, done: threading.Event) -> None:
@@ -299,8 +311,15 @@ def report_body(args, ways, res, steps, names, walls, logs) -> str:
     out += ["", "steps (test, command, via, reason, seconds):"]
     for (way, test), rows in steps.items():
         for r in rows:
-            out.append(f"  {way:10} {test[:55]:55} {r['cmd'][:40]:40} {r['via']:10} "
+            cmd = " ".join(r["cmd"].split())  # one line, whatever a `python -c` held
+            out.append(f"  {way:10} {test[:55]:55} {cmd[:40]:40} {r['via']:10} "
                        f"{r['seconds']:6.1f}s rc={r['returncode']} {r['reason']}")
+    for way in ways:
+        ended = os.path.join(args.out, way + "-ended.txt")
+        if os.path.exists(ended):
+            with open(ended) as f:
+                out += ["", f"processes the lane ended, {way}:"] + \
+                       ["  " + line for line in f.read().splitlines()]
     for way in ways:
         if way != "subprocess":
             out += ["", f"launcher plugin summary, {way}:"] + \

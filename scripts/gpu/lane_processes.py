@@ -1,0 +1,109 @@
+"""The processes a lane's pytest session leaves, read from /proc (the GPU image has no gdb,
+strace or py-spy): what each was doing at the session's limit, and ending those it left.
+
+A step's own children can outlive it: megatron_bridge's distill.py left a process forked from
+its rank (parent init, in the rank's process group, waiting on a futex) that held the test's
+output pipe, so pytest waited for that pipe's end forever, plainly and through the launcher
+alike (docs/modelopt-lane.md, 2026-12-04). Such a process is an orphan the session made; the
+lane ends it at the limit (then pytest reports the test as it would have, with the rank's
+output) and after every session (so the next way starts on an idle machine). A process is the
+session's when it did not exist before the session and carries the session's mark in its
+environment (``MARK``), which every process started from the session inherits: a machine's
+other processes are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import NamedTuple
+
+
+MARK = "MODELOPT_LANE_SESSION"
+
+
+class Process(NamedTuple):
+    pid: int
+    ppid: int
+    pgid: int
+    state: str
+    wchan: str
+    threads: int
+    command: str
+
+
+def processes() -> dict[int, Process]:
+    """Every user-space process now (kernel threads, which have no command line, left out)."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            try:
+                with open(f"/proc/{name}/wchan") as f:
+                    wchan = f.read().strip() or "-"
+            except OSError:
+                wchan = "?"
+        except OSError:
+            continue  # gone meanwhile
+        state, ppid, pgid, threads = fields[0], int(fields[1]), int(fields[2]), int(fields[17])
+        if command or state == "Z":
+            found[int(name)] = Process(int(name), ppid, pgid, state, wchan, threads, command)
+    return found
+
+
+def snapshot(path: str) -> None:
+    """Every process's pid, parent, group, state, kernel wait channel, threads and command."""
+    rows = ["pid ppid pgid state wchan threads command"]
+    for p in sorted(processes().values()):
+        rows.append(f"{p.pid} {p.ppid} {p.pgid} {p.state} {p.wchan} {p.threads} {p.command[:400]}")
+    with open(path, "w") as f:
+        f.write("\n".join(rows) + "\n")
+
+
+def _marked(pid: int, session: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{MARK}={session}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def made_by(session: str, before: set[int]) -> list[Process]:
+    """The session's processes still alive: new since ``before``, carrying its mark."""
+    return [p for p in processes().values()
+            if p.pid not in before and p.state != "Z" and _marked(p.pid, session)]
+
+
+def orphans_of(session: str, before: set[int]) -> list[Process]:
+    """Of those, the ones whose parent is init: nothing of the session will wait for them."""
+    return [p for p in made_by(session, before) if p.ppid == 1]
+
+
+def end(found: list[Process]) -> list[str]:
+    """SIGKILL each; one line for each that was running: its pid, state, wait channel, command."""
+    lines = []
+    for p in found:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        lines.append(f"pid {p.pid} (parent {p.ppid}, group {p.pgid}, {p.state} in {p.wchan}): "
+                     f"{' '.join(p.command.split())[:160]}")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(p.pid) for p in found):
+        time.sleep(0.1)
+    return lines
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
