@@ -76,6 +76,9 @@ def session_env(way: str, args, cache: str, steps: str) -> dict:
                # The GPU machine has no network: the same everywhere, so nothing waits on DNS.
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env[lane_processes.MARK] = f"{way}-{os.getpid()}-{time.time_ns()}"  # its processes' mark
+    if args.test_timeout_s:  # the suite's conftest marks every example test with this cap, and
+        # pytest-timeout lets a test's marker win over --timeout
+        env["MODELOPT_QA_TEST_TIMEOUT"] = f"{args.test_timeout_s:.0f}"
     env.pop("PRELOAD_LAUNCHER", None)
     # torch's JIT extension cache (modelopt builds modelopt_cuda_ext* there on first use): the
     # same start for every way, either one pre-built folder or an empty one each.
@@ -390,7 +393,8 @@ def main() -> None:
     parser.add_argument("--session-limit-s", type=float, default=540,
                         help="stop a pytest session after this many seconds")
     parser.add_argument("--test-timeout-s", type=float, default=0,
-                        help="pytest-timeout's --timeout for every test, thread method (0: none)")
+                        help="pytest-timeout's --timeout for every test, thread method, and the "
+                             "suite's own cap of its example tests (0: none)")
     parser.add_argument("--torch-extensions", default="",
                         help="TORCH_EXTENSIONS_DIR for every way: a pre-built folder, or 'fresh' "
                              "(an empty one per way); default: torch's own")
