@@ -40,6 +40,16 @@ class PythonTarget:
     # What the test runner it starts sets in its own process before any test code (runner_env).
     runner_env: dict = field(default_factory=dict)
 
+    def command_line(self) -> list[str]:
+        """The argv ``execve`` gives a fresh interpreter (its ``sys.orig_argv``)."""
+        flags = (["-u"] if self.unbuffered else []) + (["-B"] if self.dont_write_bytecode else [])
+        for w in self.warnoptions:
+            flags += ["-W", w]
+        for x in self.xoptions:
+            flags += ["-X", x]
+        lead = [] if self.kind == "script" else [f"-{self.kind[0]}"]
+        return [self.prog, *flags, *lead, self.value, *self.args]
+
 
 @dataclass
 class StepSpec:

@@ -48,6 +48,12 @@ def test_rank_environment_matches_torchrun(torch_launcher, launch):
         assert comparable(ours[rank]) == comparable(theirs[rank])
         assert set(ours[rank]["env"]) == set(theirs[rank]["env"])
         assert ours[rank]["argv"] == theirs[rank]["argv"] == ["--x", "1"]
+        assert ours[rank]["comm"] == theirs[rank]["comm"]
+        if "--run-path" in launch:  # torchrun starts those ranks through multiprocessing's
+            continue  # spawn; the launcher runs the script (a known difference, user guide)
+        assert ours[rank]["cmdline"] == theirs[rank]["cmdline"]
+        assert ({k: v for k, v in ours[rank]["environ"].items() if k not in VARYING}
+                == {k: v for k, v in theirs[rank]["environ"].items() if k not in VARYING})
     assert ours[0]["env"]["MASTER_PORT"] == ours[1]["env"]["MASTER_PORT"]
     assert ours[0]["env"]["TORCHELASTIC_ERROR_FILE"] != ours[1]["env"]["TORCHELASTIC_ERROR_FILE"]
 

@@ -187,7 +187,7 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     importers = deferral.replay_eager()  # with the step's sys.path, so its own modules are found
     module_table.attach(importers, set(sys.modules) - before)  # they come back with importers
     started = start_coverage_if_requested()
-    sys.orig_argv = [target.prog] + _python_flags(target) + _target_argv(target)
+    sys.orig_argv = target.command_line()
     if conn_fd is not None:
         protocol.send_event(conn_fd, "exec", t=time.time())
         runtime.keep_for_exit_report(conn_fd)
@@ -198,17 +198,3 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     learn.report_step_imports(modules_before, state.learn_reports_dir, state.project,
                               state.base_path)
     return runtime.finish(code)
-
-
-def _python_flags(target: PythonTarget) -> list[str]:
-    flags = (["-u"] if target.unbuffered else []) + (["-B"] if target.dont_write_bytecode else [])
-    for w in target.warnoptions:
-        flags += ["-W", w]
-    for x in target.xoptions:
-        flags += ["-X", x]
-    return flags
-
-
-def _target_argv(target: PythonTarget) -> list[str]:
-    lead = [] if target.kind == "script" else [f"-{target.kind[0]}"]
-    return lead + [target.value, *target.args]

@@ -26,7 +26,7 @@ from .. import interpreter, mirroring, process_attrs, protocol
 from ..command import StepSpec
 from ..settings import Settings
 from ..zygote import deferral, threads
-from . import native_env, program_exit
+from . import native_env, proc_view, program_exit
 from .program_exit import exit_status_of
 
 __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
@@ -312,6 +312,9 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     Returns the LC_CTYPE locale the environment selects (before PEP 538's coercion)."""
     global start_env
     die_with_parent()
+    # What ps and /proc show: the step's command line and environment (before anything here
+    # can start a native thread: proc_view rewrites the memory map only single-threaded)
+    proc_view.show(spec.target.command_line() if spec.target else spec.args, spec.env)
     # The zygote's objects made since its image was frozen join it: a collection in the step
     # (its own, or at exit) then never writes to their pages (a copy-on-write fault each).
     gc.freeze()

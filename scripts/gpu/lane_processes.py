@@ -15,7 +15,10 @@ other processes are never touched.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import threading
 import time
 from typing import NamedTuple
 
@@ -107,3 +110,101 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ---------------------------------------------------------------- Python stacks (py-spy)
+
+def py_spy() -> str:
+    """py-spy's binary: on PATH, else beside a PYTHONPATH folder it was installed into with
+    ``pip --target`` (the GPU machine's /tmp/site/bin); empty when there is none."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    for folder in os.environ.get("PYTHONPATH", "").split(":"):
+        candidate = os.path.join(folder, "bin", "py-spy")
+        if folder and os.access(candidate, os.X_OK):
+            return candidate
+    return ""
+
+
+def dump_stacks(found: list[Process], path: str) -> None:
+    """Every Python thread's stack of each process, as py-spy reads it from outside."""
+    spy = py_spy()
+    with open(path, "w") as f:
+        if not spy:
+            f.write("no py-spy here: no stacks\n")
+            return
+        for p in found:
+            if "python" not in p.command.split(" ", 1)[0]:
+                continue
+            f.write(f"=== pid {p.pid} (parent {p.ppid}, {p.state} in {p.wchan})\n")
+            f.flush()
+            done = subprocess.run([spy, "dump", "--pid", str(p.pid)], stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=30, check=False)
+            if done.returncode:
+                f.write(f"(py-spy exit {done.returncode})\n")
+
+
+class Sampler(threading.Thread):
+    """Samples one step's Python stacks for a while: the first process of the session whose
+    command line holds ``pattern``, from ``delay`` s after it appears, for ``seconds`` s
+    (``py-spy record --format raw``: one line per distinct stack and its sample count)."""
+
+    def __init__(self, session: str, before: set[int], pattern: str, delay: float,
+                 seconds: float, out: str) -> None:
+        super().__init__(daemon=True)
+        self.session, self.before, self.pattern = session, before, pattern
+        self.delay, self.seconds, self.out = delay, seconds, out
+        self.stopped = threading.Event()
+        self.note = ""
+
+    def run(self) -> None:
+        spy = py_spy()
+        if not spy:
+            self.note = "no py-spy here: nothing sampled"
+            return
+        while not self.stopped.wait(1):
+            step = next((p for p in made_by(self.session, self.before)
+                         if self.pattern in p.command), None)
+            if step is not None:
+                break
+        else:
+            return
+        if self.stopped.wait(self.delay):
+            return
+        done = subprocess.run([spy, "record", "--pid", str(step.pid), "--duration",
+                               f"{self.seconds:.0f}", "--rate", "50", "--format", "raw",
+                               "--nonblocking", "--output", self.out],
+                              capture_output=True, text=True, check=False)
+        self.note = (f"pid {step.pid} ({' '.join(step.command.split())[:80]}), from "
+                     f"{self.delay:.0f} s after it appeared, {self.seconds:.0f} s"
+                     + (f"; py-spy exit {done.returncode}: {done.stderr.strip()[-200:]}"
+                        if done.returncode else ""))
+
+
+def top_frames(raw: str, count: int = 15) -> list[str]:
+    """From py-spy's raw output: the functions most samples were in (the innermost frame) and
+    the functions most samples passed through, each with its share of the samples."""
+    own: dict[str, int] = {}
+    through: dict[str, int] = {}
+    total = 0
+    with open(raw) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            samples = int(n)
+            total += samples
+            frames = stack.split(";")
+            own[frames[-1]] = own.get(frames[-1], 0) + samples
+            for frame in set(frames):
+                through[frame] = through.get(frame, 0) + samples
+    if not total:
+        return ["no samples"]
+    lines = [f"{total} samples; innermost frames:"]
+    lines += [f"  {n / total:6.1%}  {frame[:150]}" for frame, n in
+              sorted(own.items(), key=lambda kv: -kv[1])[:count]]
+    lines.append("frames the samples passed through:")
+    lines += [f"  {n / total:6.1%}  {frame[:150]}" for frame, n in
+              sorted(through.items(), key=lambda kv: -kv[1])[:count]]
+    return lines

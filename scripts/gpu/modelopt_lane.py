@@ -124,6 +124,12 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
     ended = os.path.join(args.out, way + "-ended.txt")  # what the lane ended, for the report
     if os.path.exists(ended):
         os.remove(ended)
+    sampler = None
+    if args.sample:  # PATTERN:DELAY:SECONDS
+        pattern, delay, seconds = args.sample.rsplit(":", 2)
+        sampler = lane_processes.Sampler(env[lane_processes.MARK], before, pattern, float(delay),
+                                         float(seconds), os.path.join(args.out, way + "-profile.txt"))
+        sampler.start()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=args.checkout, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -132,6 +138,11 @@ def run_session(way: str, args, tests: list[str]) -> tuple[float, int, str]:
         except subprocess.TimeoutExpired:
             rc = stop_at_limit(way, args, proc, before, ended, env[lane_processes.MARK])
     wall = time.perf_counter() - start
+    if sampler is not None:
+        sampler.stopped.set()
+        sampler.join(timeout=float(args.sample.rsplit(":", 1)[1]) + 30)
+        if sampler.note:
+            note(os.path.join(args.out, way + "-profile-note.txt"), sampler.note, [])
     if way == "forked":
         subprocess.run(CLI + ["stop"], cwd=args.checkout, env=env)
     left = lane_processes.end(lane_processes.made_by(env[lane_processes.MARK], before))
@@ -154,6 +165,8 @@ def stop_at_limit(way: str, args, proc: subprocess.Popen, before: set, ended: st
     the launcher's daemon) are ended, which lets pytest finish a test that waited on an output
     pipe an orphan held, and report it; pytest's group is stopped if it still runs 90 s on."""
     lane_processes.snapshot(os.path.join(args.out, way + "-processes-at-limit.txt"))
+    lane_processes.dump_stacks(lane_processes.made_by(session, before),
+                               os.path.join(args.out, way + "-stacks-at-limit.txt"))
     orphans = [p for p in lane_processes.orphans_of(session, before)
                if "preload_launcher" not in p.command]
     lines = lane_processes.end(orphans)
@@ -318,6 +331,14 @@ def report_body(args, ways, res, steps, names, walls, logs) -> str:
             out.append(f"  {way:10} {test[:55]:55} {cmd[:40]:40} {r['via']:10} "
                        f"{r['seconds']:6.1f}s rc={r['returncode']} {r['reason']}")
     for way in ways:
+        profile, about = (os.path.join(args.out, way + name) for name in
+                          ("-profile.txt", "-profile-note.txt"))
+        if os.path.exists(about):
+            with open(about) as f:
+                out += ["", f"sampled step, {way}: {f.read().strip()}"]
+        if os.path.exists(profile):
+            out += ["  " + line for line in lane_processes.top_frames(profile)]
+    for way in ways:
         ended = os.path.join(args.out, way + "-ended.txt")
         if os.path.exists(ended):
             with open(ended) as f:
@@ -395,6 +416,10 @@ def main() -> None:
     parser.add_argument("--test-timeout-s", type=float, default=0,
                         help="pytest-timeout's --timeout for every test, thread method, and the "
                              "suite's own cap of its example tests (0: none)")
+    parser.add_argument("--sample", default="",
+                        help="PATTERN:DELAY:SECONDS: py-spy samples the first process of each "
+                             "session whose command line holds PATTERN, from DELAY s after it "
+                             "appears, for SECONDS s (<way>-profile.txt; the report's top frames)")
     parser.add_argument("--torch-extensions", default="",
                         help="TORCH_EXTENSIONS_DIR for every way: a pre-built folder, or 'fresh' "
                              "(an empty one per way); default: torch's own")

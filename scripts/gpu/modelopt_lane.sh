@@ -41,6 +41,8 @@ prepare)
   python3 -m pip download -q --no-deps --only-binary=:all: "${PLAT[@]}" -d .whl \
     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 onnx-graphsurgeon==0.6.1 \
     onnxconverter-common==1.16.0 onnxslim==0.1.98 lief==1.0.0 mako==1.4.3
+  # py-spy: the lane's view of a session's Python stacks (at its limit; --sample)
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d .whl py-spy==0.4.3
   python3 -m pip wheel -q --no-deps -w .whl cppimport==26.4.17   # an sdist only: pure Python
   du -sh --apparent-size .modelopt .whl ;;
 run)

@@ -42,6 +42,13 @@ obs = {
     "warnoptions": sys.warnoptions,
     "dont_write_bytecode": sys.dont_write_bytecode,
 }
+if os.path.exists("/proc/self/cmdline"):  # what ps, pgrep -f and psutil read from outside
+    with open("/proc/self/cmdline", "rb") as f:
+        obs["proc_cmdline"] = os.fsdecode(f.read()).split("\0")
+    with open("/proc/self/environ", "rb") as f:
+        obs["proc_environ"] = sorted(os.fsdecode(f.read()).split("\0"))
+    with open("/proc/self/comm") as f:
+        obs["proc_comm"] = f.read().strip()
 if "torch" in sys.argv[1:]:
     import torch
     obs["torch_rand"] = torch.rand(1).item()
