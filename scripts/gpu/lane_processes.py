@@ -1,10 +1,11 @@
-"""The processes a lane's pytest session leaves, read from /proc (the GPU image has no gdb,
-strace or py-spy): what each was doing at the session's limit, and ending those it left.
+"""The processes a lane's pytest session leaves, read from /proc (the GPU image has no gdb or
+strace; py-spy, for Python stacks, travels in .whl): what each was doing at the session's
+limit, and ending those it left.
 
 A step's own children can outlive it: megatron_bridge's distill.py left a process forked from
 its rank (parent init, in the rank's process group, waiting on a futex) that held the test's
-output pipe, so pytest waited for that pipe's end forever, plainly and through the launcher
-alike (docs/modelopt-lane.md, 2026-12-04). Such a process is an orphan the session made; the
+output pipe, so pytest waited for that pipe's end forever, in both ways' sessions
+(docs/modelopt-lane.md, 2026-12-04). Such a process is an orphan the session made; the
 lane ends it at the limit (then pytest reports the test as it would have, with the rank's
 output) and after every session (so the next way starts on an idle machine). A process is the
 session's when it did not exist before the session and carries the session's mark in its
