@@ -9,8 +9,9 @@
 #          bash scripts/gpu/lanes.sh prepare-nvrx NVRX_GIT_DIR   # + nvidia-resiliency-ext 0.6.0
 #   there: bash scripts/gpu/lanes.sh setup [ext] [te] [captured] [native-env] [nodes] [lane NAME LANES ARGS...] ...
 #          the first call carries .whl .modelopt .te/build .te/parts/core.00, each later call one
-#          more part, the sixth core.05 and .whl-bridge (a call carries 64 MiB with the checkout); `te` (once every part is there) joins, installs and
-#          builds Transformer Engine. (.whl, .whl-bridge, .te, .modelopt: in .git/info/exclude.)
+#          more part (the second also .whl-tools: py-spy), the sixth core.05 and .whl-bridge (a call
+#          carries 64 MiB with the checkout); `te` (once every part is there) joins, installs and
+#          builds Transformer Engine. (.whl, .whl-tools, .whl-bridge, .te, .modelopt: in .git/info/exclude.)
 #
 # Each `lane NAME LANES ARGS...` runs scripts/gpu/modelopt_lane.py on the copied checkout (/tmp/mo)
 # with the PYTHONPATH its lanes need and packs its output folder into $OUT/NAME.tgz (report.txt
@@ -25,6 +26,7 @@ PIP=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
 HF=/tmp/site                       # the image's missing wheels, megatron left out
 MCORE=/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-core, TE (the pools' models need TE)
 BRIDGE=/tmp/site-energon:/tmp/site-bridge:/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-bridge, TE
+export PATH=/tmp/site-tools/bin:$PATH   # py-spy, for the lane's stacks (lane_processes.py)
 
 stamp() { echo "[lanes $(date -u +%T)] $*"; }
 
@@ -42,6 +44,9 @@ setup() {
   # replaces a top-level folder whole (it removed megatron/bridge once).
   if [ -d .whl-bridge ] && [ ! -d /tmp/site-energon ]; then
     "${PIP[@]}" --target /tmp/site-energon .whl-bridge/*.whl
+  fi
+  if [ -d .whl-tools ] && [ ! -d /tmp/site-tools ]; then
+    "${PIP[@]}" --target /tmp/site-tools .whl-tools/*.whl
   fi
   [ -d $MO ] || cp -a .modelopt $MO
   if [ -d .te ]; then bash scripts/gpu/transformer_engine.sh receive | tail -n 12; fi

@@ -41,8 +41,9 @@ prepare)
   python3 -m pip download -q --no-deps --only-binary=:all: "${PLAT[@]}" -d .whl \
     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 onnx-graphsurgeon==0.6.1 \
     onnxconverter-common==1.16.0 onnxslim==0.1.98 lief==1.0.0 mako==1.4.3
-  # py-spy: the lane's view of a session's Python stacks (at its limit; --sample)
-  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d .whl py-spy==0.4.3
+  # py-spy: the lane's view of a session's Python stacks (at its limit; --sample); a folder of
+  # its own, so that the first of lanes.sh's calls stays within a call's 64 MiB
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d .whl-tools py-spy==0.4.3
   python3 -m pip wheel -q --no-deps -w .whl cppimport==26.4.17   # an sdist only: pure Python
   du -sh --apparent-size .modelopt .whl ;;
 run)
@@ -52,7 +53,7 @@ run)
   mkdir -p "$out"
   # megatron-core/-bridge are for the megatron_bridge lane only: with them, every step's
   # `import modelopt.torch` also imports megatron.core (the HF lanes' CI has none).
-  wheels=$(ls .whl/*.whl | grep -v -E '/megatron_(core|bridge)-')
+  wheels=$(ls .whl/*.whl .whl-tools/*.whl 2>/dev/null | grep -v -E '/megatron_(core|bridge)-')
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site $wheels > /tmp/lane-install.log 2>&1 || { tail -n 30 /tmp/lane-install.log; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
