@@ -8,8 +8,8 @@
 #          bash scripts/gpu/lanes.sh prepare-bridge      # .whl-bridge: megatron-bridge's runtime
 #          bash scripts/gpu/lanes.sh prepare-nvrx NVRX_GIT_DIR   # + nvidia-resiliency-ext 0.6.0
 #   there: bash scripts/gpu/lanes.sh setup [ext] [te] [captured] [native-env] [nodes] [lane NAME LANES ARGS...] ...
-#          the first call carries .whl .modelopt .te/build .te/parts/core.00, each later call one
-#          more part (the second also .whl-tools: py-spy), the sixth core.05 and .whl-bridge (a call
+#          the first call carries .whl .modelopt .te/parts/core.00, each later call one more part
+#          (the second also .whl-tools: py-spy), the sixth core.05, .whl-bridge and .te/build (a call
 #          carries 64 MiB with the checkout); `te` (once every part is there) joins, installs and
 #          builds Transformer Engine. (.whl, .whl-tools, .whl-bridge, .te, .modelopt: in .git/info/exclude.)
 #
