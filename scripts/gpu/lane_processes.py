@@ -146,10 +146,21 @@ def dump_stacks(found: list[Process], path: str) -> None:
                 f.write(f"(py-spy exit {done.returncode})\n")
 
 
+def runs_script(command: str, script: str) -> bool:
+    """Whether a command line runs ``script`` itself: its first word after the interpreter and
+    its options ends with it. Launchers that merely pass the script on (``accelerate launch ...
+    main.py``, the launcher's stand-ins) hold it too, but only as a later word, and they sleep
+    while the step trains."""
+    words = command.split()
+    first = next((w for w in words[1:] if not w.startswith("-")), "")
+    return first == script or first.endswith("/" + script)
+
+
 class Sampler(threading.Thread):
-    """Samples one step's Python stacks for a while: the first process of the session whose
-    command line holds ``pattern``, from ``delay`` s after it appears, for ``seconds`` s
-    (``py-spy record --format raw``: one line per distinct stack and its sample count)."""
+    """Samples one step's Python stacks for a while: the first process of the session that runs
+    the script ``pattern`` (see ``runs_script``), from ``delay`` s after it appears, for
+    ``seconds`` s (``py-spy record --format raw``: one line per distinct stack and its sample
+    count)."""
 
     def __init__(self, session: str, before: set[int], pattern: str, delay: float,
                  seconds: float, out: str) -> None:
@@ -166,7 +177,7 @@ class Sampler(threading.Thread):
             return
         while not self.stopped.wait(1):
             step = next((p for p in made_by(self.session, self.before)
-                         if self.pattern in p.command), None)
+                         if runs_script(p.command, self.pattern)), None)
             if step is not None:
                 break
         else:

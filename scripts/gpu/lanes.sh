@@ -7,9 +7,10 @@
 #          bash scripts/gpu/lanes.sh split-te 17000000 59000000   # .te/parts: a small first part, 4 large, a fifth small
 #          bash scripts/gpu/lanes.sh prepare-bridge      # .whl-bridge: megatron-bridge's runtime
 #          bash scripts/gpu/lanes.sh prepare-nvrx NVRX_GIT_DIR   # + nvidia-resiliency-ext 0.6.0
-#   there: bash scripts/gpu/lanes.sh setup [ext] [te] [captured] [native-env] [nodes] [lane NAME LANES ARGS...] ...
+#          bash scripts/gpu/lanes.sh prepare-apex APEX_GIT_DIR 25.09   # .apex: apex's wgrad extension's sources
+#   there: bash scripts/gpu/lanes.sh setup [ext] [te] [apex] [captured] [native-env] [nodes] [lane NAME LANES ARGS...] ...
 #          the first call carries .whl .modelopt .te/parts/core.00, each later call one more part
-#          (the second also .whl-tools: py-spy), the sixth core.05, .whl-bridge and .te/build (a call
+#          (the second also .whl-tools: py-spy), the sixth core.05, .whl-bridge, .te/build and .apex (a call
 #          carries 64 MiB with the checkout); `te` (once every part is there) joins, installs and
 #          builds Transformer Engine. (.whl, .whl-tools, .whl-bridge, .te, .modelopt: in .git/info/exclude.)
 #
@@ -25,7 +26,8 @@ EXT=/tmp/torch-ext
 PIP=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade)
 HF=/tmp/site                       # the image's missing wheels, megatron left out
 MCORE=/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-core, TE (the pools' models need TE)
-BRIDGE=/tmp/site-energon:/tmp/site-bridge:/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-bridge, TE
+APEX=/tmp/apex-ext                 # apex's fused_weight_gradient_mlp_cuda, built by `apex`
+BRIDGE=$APEX:/tmp/site-energon:/tmp/site-bridge:/tmp/site-mcore:/tmp/te-site:/tmp/site   # + megatron-bridge, TE, apex's extension
 export PATH=/tmp/site-tools/bin:$PATH   # py-spy, for the lane's stacks (lane_processes.py)
 
 stamp() { echo "[lanes $(date -u +%T)] $*"; }
@@ -71,6 +73,27 @@ te() {
     bash scripts/gpu/transformer_engine.sh install 2>&1 | grep -v -i warning
   fi
   stamp "Transformer Engine ready"
+}
+
+apex() {  # apex's gradient-accumulation extension, from .apex (prepare-apex), once a machine:
+  # megatron-bridge's models ask for gradient_accumulation_fusion, and megatron-core's
+  # ColumnParallelLinear then needs fused_weight_gradient_mlp_cuda (NeMo's container has apex;
+  # this image has not: without it every distill.py step fails, 2026-12-04)
+  if ! ls $APEX/fused_weight_gradient_mlp_cuda*.so > /dev/null 2>&1; then
+    local start=$SECONDS
+    mkdir -p $APEX
+    TORCH_CUDA_ARCH_LIST=9.0 python3 - <<'EOF' 2>&1 | grep -v -i warning | tail -n 5
+import torch.utils.cpp_extension as ext
+megatron = ".apex/csrc/megatron/fused_weight_gradient_dense"
+ext.load("fused_weight_gradient_mlp_cuda", build_directory="/tmp/apex-ext",
+         sources=[megatron + ".cpp", megatron + "_cuda.cu", megatron + "_16bit_prec_cuda.cu"],
+         extra_include_paths=[".apex/csrc"], extra_cflags=["-O3"],
+         extra_cuda_cflags=["-O3", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                            "--expt-relaxed-constexpr", "--expt-extended-lambda", "--use_fast_math"])
+EOF
+    stamp "apex's extension built in $((SECONDS - start)) s (apex $(cat .apex/COMMIT))"
+  fi
+  PYTHONPATH=$APEX python3 -c "import torch, fused_weight_gradient_mlp_cuda as m; print(m.__file__)"
 }
 
 lane() {  # NAME LANES [modelopt_lane.py options]
@@ -123,6 +146,17 @@ prepare_nvrx() {  # here: nvidia-resiliency-ext 0.6.0, which megatron-core 0.19.
   ls -l .whl-bridge/nvidia_resiliency_ext-*
 }
 
+prepare_apex() {  # here: the sources of apex's fused_weight_gradient_mlp_cuda (apex's setup.py
+  # builds it from these three files) from a clone or mirror of NVIDIA/apex, into .apex
+  local src=$1 tag=$2
+  rm -rf .apex && mkdir .apex
+  git --git-dir="$src" archive "$tag" LICENSE csrc/type_shim.h \
+    csrc/megatron/fused_weight_gradient_dense.cpp csrc/megatron/fused_weight_gradient_dense_cuda.cu \
+    csrc/megatron/fused_weight_gradient_dense_16bit_prec_cuda.cu | tar -x -C .apex
+  echo "$tag $(git --git-dir="$src" rev-parse "$tag^{commit}")" > .apex/COMMIT
+  du -sh --apparent-size .apex
+}
+
 split_te() {  # FIRST_BYTES PART_BYTES: .te/parts as a first part of FIRST_BYTES, the rest in PART_BYTES
   # pieces (the last one smaller: room beside it for .whl-bridge)
   local core=(.te/transformer_engine_cu13-*.whl) first=$1 part=$2
@@ -138,6 +172,7 @@ while [ $# -gt 0 ]; do
   setup) setup; shift ;;
   ext) ext; shift ;;
   te) te; shift ;;
+  apex) apex; shift ;;
   # the product's own H200 probes: kept device queries + torch.compile in forked steps; which
   # variables the stack's native code reads at import; a 2-node torchrun job plain vs forked
   captured) probe captured_cuda "" python3 scripts/gpu/captured_cuda.py; shift ;;
@@ -167,7 +202,8 @@ while [ $# -gt 0 ]; do
     done; shift ;;
   split-te) split_te "$2" "$3"; shift 3 ;;
   prepare-bridge) prepare_bridge; shift ;;
-  prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
+  prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;
+  prepare-apex) prepare_apex "$2" "$3"; shift 3 ;;  # a clone or mirror of NVIDIA/apex, its tag  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
   lane)  # everything up to the next `--` belongs to this lane
     shift; args=()
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done

@@ -417,8 +417,8 @@ def main() -> None:
                         help="pytest-timeout's --timeout for every test, thread method, and the "
                              "suite's own cap of its example tests (0: none)")
     parser.add_argument("--sample", default="",
-                        help="PATTERN:DELAY:SECONDS: py-spy samples the first process of each "
-                             "session whose command line holds PATTERN, from DELAY s after it "
+                        help="SCRIPT:DELAY:SECONDS: py-spy samples the first process of each "
+                             "session that runs SCRIPT (not one passing it on), from DELAY s after it "
                              "appears, for SECONDS s (<way>-profile.txt; the report's top frames)")
     parser.add_argument("--torch-extensions", default="",
                         help="TORCH_EXTENSIONS_DIR for every way: a pre-built folder, or 'fresh' "
