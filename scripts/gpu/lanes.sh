@@ -81,8 +81,8 @@ apex() {  # apex's gradient-accumulation extension, from .apex (prepare-apex), o
   # this image has not: without it every distill.py step fails, 2026-12-04)
   if ! ls $APEX/fused_weight_gradient_mlp_cuda*.so > /dev/null 2>&1; then
     local start=$SECONDS
-    mkdir -p $APEX
-    TORCH_CUDA_ARCH_LIST=9.0 python3 - <<'EOF' 2>&1 | grep -v -i warning | tail -n 5
+    mkdir -p $APEX "$OUTDIR"
+    TORCH_CUDA_ARCH_LIST=9.0 python3 - <<'EOF' > "$OUTDIR/apex-build.log" 2>&1 || { tail -n 30 "$OUTDIR/apex-build.log"; return 1; }
 import torch.utils.cpp_extension as ext
 megatron = ".apex/csrc/megatron/fused_weight_gradient_dense"
 ext.load("fused_weight_gradient_mlp_cuda", build_directory="/tmp/apex-ext",
