@@ -150,9 +150,11 @@ prepare_apex() {  # here: the sources of apex's fused_weight_gradient_mlp_cuda (
   # builds it from these three files) from a clone or mirror of NVIDIA/apex, into .apex
   local src=$1 tag=$2
   rm -rf .apex && mkdir .apex
-  git --git-dir="$src" archive "$tag" LICENSE csrc/type_shim.h csrc/compat.h \
-    csrc/megatron/fused_weight_gradient_dense.cpp csrc/megatron/fused_weight_gradient_dense_cuda.cu \
-    csrc/megatron/fused_weight_gradient_dense_16bit_prec_cuda.cu | tar -x -C .apex
+  # (csrc/compat.h: the headers' own include, in releases up to 25.09)
+  git --git-dir="$src" archive "$tag" $(git --git-dir="$src" ls-tree -r --name-only "$tag" -- \
+    LICENSE csrc/type_shim.h csrc/compat.h csrc/megatron/fused_weight_gradient_dense.cpp \
+    csrc/megatron/fused_weight_gradient_dense_cuda.cu \
+    csrc/megatron/fused_weight_gradient_dense_16bit_prec_cuda.cu) | tar -x -C .apex
   echo "$tag $(git --git-dir="$src" rev-parse "$tag^{commit}")" > .apex/COMMIT
   du -sh --apparent-size .apex
 }
