@@ -103,7 +103,13 @@ def end_main_module() -> None:
                 single_underscore = name.startswith("_") and not name.startswith("__")
                 if name != "__builtins__" and single_underscore == first_pass and name in namespace:
                     namespace[name] = None
-        gc.collect()
+        # python's own collections at exit call no gc.callbacks (the program's callbacks would
+        # find its globals cleared, as here)
+        callbacks, gc.callbacks[:] = gc.callbacks[:], []
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks[:] = callbacks
     finally:
         if default_hook:
             sys.unraisablehook = sys.__unraisablehook__

@@ -26,6 +26,11 @@ elif how == "segv":
     ctypes.string_at(0)
 elif how == "keyboard":
     raise KeyboardInterrupt
+elif how == "gc-callback":  # python's collections at exit call no gc callback (its globals are
+    import gc, time         # cleared by then)
+    gc.callbacks.append(lambda phase, info: time.perf_counter())
+    cycle = []
+    cycle.append(cycle)
 print("end")
 if how == "thread":
     main_done.set()  # the thread finishes after the main thread's end: python waits for it
