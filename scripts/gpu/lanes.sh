@@ -204,8 +204,8 @@ while [ $# -gt 0 ]; do
     done; shift ;;
   split-te) split_te "$2" "$3"; shift 3 ;;
   prepare-bridge) prepare_bridge; shift ;;
-  prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;
-  prepare-apex) prepare_apex "$2" "$3"; shift 3 ;;  # a clone or mirror of NVIDIA/apex, its tag  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
+  prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
+  prepare-apex) prepare_apex "$2" "$3"; shift 3 ;;  # a clone or mirror of NVIDIA/apex, its tag
   lane)  # everything up to the next `--` belongs to this lane
     shift; args=()
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done
