@@ -78,7 +78,13 @@ te() {
 apex() {  # apex's gradient-accumulation extension, from .apex (prepare-apex), once a machine:
   # megatron-bridge's models ask for gradient_accumulation_fusion, and megatron-core's
   # ColumnParallelLinear then needs fused_weight_gradient_mlp_cuda (NeMo's container has apex;
-  # this image has not: without it every distill.py step fails, 2026-12-04)
+  # this image has not: without it every distill.py step fails, 2026-12-04). One an earlier call
+  # built on this image (its $OUT, put into .apex) is used if it imports beside this torch.
+  local check="import torch, fused_weight_gradient_mlp_cuda as m; print(m.__file__)"
+  if [ -f .apex/fused_weight_gradient_mlp_cuda.so ] && [ ! -d $APEX ]; then
+    mkdir -p $APEX && cp .apex/fused_weight_gradient_mlp_cuda.so $APEX/
+    PYTHONPATH=$APEX python3 -c "$check" > /dev/null 2>&1 || rm -f $APEX/*.so
+  fi
   if ! ls $APEX/fused_weight_gradient_mlp_cuda*.so > /dev/null 2>&1; then
     local start=$SECONDS
     mkdir -p $APEX "$OUTDIR"
@@ -92,8 +98,9 @@ ext.load("fused_weight_gradient_mlp_cuda", build_directory="/tmp/apex-ext",
                             "--expt-relaxed-constexpr", "--expt-extended-lambda", "--use_fast_math"])
 EOF
     stamp "apex's extension built in $((SECONDS - start)) s (apex $(cat .apex/COMMIT))"
+    cp $APEX/fused_weight_gradient_mlp_cuda.so "$OUTDIR/"   # to travel in .apex next time
   fi
-  PYTHONPATH=$APEX python3 -c "import torch, fused_weight_gradient_mlp_cuda as m; print(m.__file__)"
+  PYTHONPATH=$APEX python3 -c "$check"
 }
 
 lane() {  # NAME LANES [modelopt_lane.py options]

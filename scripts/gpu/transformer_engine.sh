@@ -37,6 +37,14 @@ install)
     "/tmp/$CORE" "$STORE/transformer_engine-$TE-py3-none-any.whl" "$STORE"/einops-*.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/te-build \
     "$STORE"/setuptools-*.whl "$STORE"/wheel-*.whl "$STORE"/ninja-*.whl "$STORE"/packaging-*.whl
+  check() { PYTHONPATH=$SITE:/tmp/site:${PYTHONPATH:-} python3 -c "import transformer_engine.pytorch as te; print('transformer_engine', te.__version__ if hasattr(te, '__version__') else '', 'imports')"; }
+  # An extension an earlier call built on this image (its $OUT, carried back in .te/build) saves
+  # the two-minute build, if it still imports beside this torch; otherwise it is built here.
+  if ls "$STORE"/transformer_engine_torch*.so > /dev/null 2>&1; then
+    cp "$STORE"/transformer_engine_torch*.so "$SITE/"
+    if check; then echo "transformer_engine_torch: the one built earlier on this image"; exit 0; fi
+    rm -f "$SITE"/transformer_engine_torch*.so
+  fi
   rm -rf /tmp/te-src && mkdir /tmp/te-src && tar xzf "$STORE/transformer_engine_torch-$TE.tar.gz" -C /tmp/te-src
   cd "/tmp/te-src/transformer_engine_torch-$TE"
   start=$(date +%s)
@@ -48,8 +56,12 @@ install)
     || { tail -n 40 /tmp/te-build.log; exit 1; }
   cp transformer_engine_torch*.so "$SITE/"
   echo "built transformer_engine_torch in $(( $(date +%s) - start )) s"
+  # back with the call's output, to travel in .te/build next time (a file comes back up to 16 MiB)
+  if [ -n "${OUT:-}" ] && [ "$(stat -c %s transformer_engine_torch*.so)" -le 16777216 ]; then
+    cp transformer_engine_torch*.so "$OUT/"
+  fi
   # TE's recipes import pydantic, which travels in .whl (installed into /tmp/site by lanes.sh)
-  PYTHONPATH=$SITE:/tmp/site:${PYTHONPATH:-} python3 -c "import transformer_engine.pytorch as te; print('transformer_engine', te.__version__ if hasattr(te, '__version__') else '', 'imports')" ;;
+  check ;;
 *)
   echo "usage: $0 fetch|receive|install" >&2; exit 2 ;;
 esac
