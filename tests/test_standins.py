@@ -195,6 +195,21 @@ def test_accelerate_launch_matches_the_real_one(torch_launcher, tmp_path, launch
         assert ours[rank]["threads"] == theirs[rank]["threads"]
 
 
+def test_accelerates_thread_setting_sizes_its_programs_pools(torch_launcher, tmp_path):
+    """accelerate gives its program OMP_NUM_THREADS=N from --num_cpu_threads_per_process, a
+    value the zygote cannot foresee from the caller's environment: the program's pools are sized
+    as a fresh interpreter sizes them under it (they kept the caller's: 2 threads, not 1)."""
+    args = [ACCELERATE, "launch", "--num_processes", "1", "--num_cpu_threads_per_process", "1",
+            program("accelerate_env.py")]
+    env = dict(accelerate_env(tmp_path), OMP_NUM_THREADS="2")
+    ref = plain(args, env=env, timeout=180)
+    got = torch_launcher.run(args, env=env, timeout=180)
+    assert got.via == "zygote", got.reason
+    ours, theirs = rank_infos(got.stdout)[0], rank_infos(ref.stdout)[0]
+    assert ours["env"]["OMP_NUM_THREADS"] == theirs["env"]["OMP_NUM_THREADS"] == "1"
+    assert ours["threads"] == theirs["threads"]
+
+
 @pytest.fixture
 def sigint_as_a_terminal_gives_it():
     """SIGINT at python's handler in this process while the test runs, as under a terminal's

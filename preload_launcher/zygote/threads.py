@@ -146,11 +146,7 @@ class FreshCounts:
         if (self.torch or self.libraries) and not self._complete(key) and key not in self.probes:
             probe_env = {**{k: v for k, v in os.environ.items() if k not in THREAD_ENV},
                          **{k: env[k] for k in THREAD_ENV if k in env}}
-            pin = f"import os; os.sched_setaffinity(0, {sorted(cpus)})\n" if cpus else ""
-            self.probes[key] = subprocess.Popen(
-                [sys.executable, "-c", pin + PROBE, "torch" if self.torch else "-",
-                 *self.libraries], env=probe_env,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.probes[key] = _start_probe(probe_env, cpus, self.torch, self.libraries)
 
     def for_env(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> list:
         key = key_of(env, cpus)
@@ -173,11 +169,38 @@ class FreshCounts:
         return {key_of(e, cpus): self.for_env(e, cpus) for e in envs}
 
 
+def _start_probe(env: Mapping[str, str], cpus: Optional[list[int]], torch: bool,
+                 libraries: list[str]) -> subprocess.Popen:
+    """A fresh interpreter that reports its counts under ``env`` (on ``cpus``, where given)."""
+    pin = f"import os; os.sched_setaffinity(0, {sorted(cpus)})\n" if cpus else ""
+    return subprocess.Popen([sys.executable, "-c", pin + PROBE, "torch" if torch else "-",
+                             *libraries], env=dict(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def _counts_here(table: dict[str, list], cpus: Optional[list[int]]) -> Optional[list]:
+    """The counts for this process's thread variables and CPU set: the table's entry, or, for a
+    combination the zygote could not foresee (a launcher in the step chose the variables:
+    accelerate's ``--num_cpu_threads_per_process``; a launcher's program on the caller's CPU
+    set), a fresh interpreter's answer now, asked from here (it inherits this CPU set)."""
+    here = sorted(os.sched_getaffinity(0))
+    for key in (key_of(os.environ, cpus), key_of(os.environ, here)):
+        if key in table:
+            return table[key]
+    if not table:
+        return None  # the zygote sized nothing (no torch, no pool library)
+    torch = "torch" in sys.modules
+    if not torch and not _pools:
+        return None
+    out, _ = _start_probe(os.environ, None, torch, sorted(_pools)).communicate(timeout=120)
+    return json.loads(out.splitlines()[-1])
+
+
 def apply_fresh_counts(table: dict[str, list], cpus: Optional[list[int]] = None) -> None:
     """In a forked step or rank: the thread pools as a fresh interpreter would have them
     (``cpus``: the caller's CPU set, where it is not the zygote's). Torch's intra-op count
     goes last: it sizes torch's own OpenMP pool as torch decides."""
-    counts = table.get(key_of(os.environ, cpus))
+    counts = _counts_here(table, cpus)
     if counts is None:
         return
     intra, inter, pools = counts
