@@ -174,8 +174,8 @@ def _start_probe(env: Mapping[str, str], cpus: Optional[list[int]], torch: bool,
     """A fresh interpreter that reports its counts under ``env`` (on ``cpus``, where given)."""
     pin = f"import os; os.sched_setaffinity(0, {sorted(cpus)})\n" if cpus else ""
     return subprocess.Popen([sys.executable, "-c", pin + PROBE, "torch" if torch else "-",
-                             *libraries], env=dict(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                             *libraries], env=dict(env), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
 def _counts_here(table: dict[str, list], cpus: Optional[list[int]]) -> Optional[list]:
@@ -192,8 +192,16 @@ def _counts_here(table: dict[str, list], cpus: Optional[list[int]]) -> Optional[
     torch = "torch" in sys.modules
     if not torch and not _pools:
         return None
-    out, _ = _start_probe(os.environ, None, torch, sorted(_pools)).communicate(timeout=120)
-    return json.loads(out.splitlines()[-1])
+    probe = _start_probe(os.environ, None, torch, sorted(_pools))
+    try:
+        out, _ = probe.communicate(timeout=120)
+        return json.loads(out.splitlines()[-1])
+    except (subprocess.TimeoutExpired, IndexError, ValueError):
+        # no answer (this interpreter cannot import torch: neither could the program): the
+        # program's own start then fails or decides as it would have
+        probe.kill()
+        probe.wait()
+        return None
 
 
 def apply_fresh_counts(table: dict[str, list], cpus: Optional[list[int]] = None) -> None:
