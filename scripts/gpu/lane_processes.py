@@ -1,5 +1,5 @@
 """The processes a lane's pytest session leaves, read from /proc (the GPU image has no gdb or
-strace; py-spy, for Python stacks, travels in .whl): what each was doing at the session's
+strace; py-spy, for Python stacks, travels in .whl-tools): what each was doing at the session's
 limit, and ending those it left.
 
 A step's own children can outlive it: megatron_bridge's distill.py left a process forked from
@@ -117,7 +117,7 @@ def _running(pid: int) -> bool:
 
 def py_spy() -> str:
     """py-spy's binary: on PATH, else beside a PYTHONPATH folder it was installed into with
-    ``pip --target`` (the GPU machine's /tmp/site/bin); empty when there is none."""
+    ``pip --target``; lanes.sh puts /tmp/site-tools/bin on PATH); empty when there is none."""
     found = shutil.which("py-spy")
     if found:
         return found
