@@ -116,8 +116,8 @@ def _running(pid: int) -> bool:
 # ---------------------------------------------------------------- Python stacks (py-spy)
 
 def py_spy() -> str:
-    """py-spy's binary: on PATH, else beside a PYTHONPATH folder it was installed into with
-    ``pip --target``; lanes.sh puts /tmp/site-tools/bin on PATH); empty when there is none."""
+    """py-spy's binary: on PATH (lanes.sh puts /tmp/site-tools/bin there), else beside a
+    PYTHONPATH folder it was installed into with ``pip --target``; empty when there is none."""
     found = shutil.which("py-spy")
     if found:
         return found
