@@ -193,6 +193,8 @@ def test_accelerate_launch_matches_the_real_one(torch_launcher, tmp_path, launch
         assert set(ours[rank]["env"]) == set(theirs[rank]["env"])
         assert ours[rank]["argv"] == theirs[rank]["argv"] == ["--x", "1"]
         assert ours[rank]["threads"] == theirs[rank]["threads"]
+        assert (ours[rank]["cmdline"], ours[rank]["comm"]) == \
+            (theirs[rank]["cmdline"], theirs[rank]["comm"])
 
 
 def test_accelerates_thread_setting_sizes_its_programs_pools(torch_launcher, tmp_path):

@@ -27,7 +27,7 @@ import traceback
 from .. import cuda, protocol
 from ..command import PythonTarget, StepSpec, Unsupported, launcher_interpreter, parse_python_argv
 from ..settings import Settings
-from ..step import child, runtime
+from ..step import child, proc_view, runtime
 from ..zygote import learn, threads
 from . import agent, forked_popen
 
@@ -131,6 +131,9 @@ def _program(target: PythonTarget, env: dict, thread_counts: dict,
              state: runtime.ZygoteState) -> int:
     """The forked program: accelerate's environment, then the python step."""
     runtime.die_with_parent()
+    # what ps and /proc show: the program's command line and environment, not accelerate's
+    # (first, while this process is single-threaded: see proc_view)
+    proc_view.show(target.command_line(), env)
     os.environ.clear()
     os.environ.update(env)
     threads.apply_fresh_counts(thread_counts)

@@ -15,8 +15,13 @@ keys = ("ACCELERATE_", "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_", "LOCAL_WORLD
         "GROUP_WORLD_SIZE", "MASTER_", "TORCHELASTIC_", "OMP_NUM_THREADS", "KMP_", "NCCL_",
         "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_")
 env = {k: v for k, v in os.environ.items() if k.startswith(keys)}
+with open("/proc/self/cmdline", "rb") as f:  # what ps shows of this program
+    cmdline = f.read().decode().split("\0")[:-1]
+with open("/proc/self/comm") as f:
+    comm = f.read().strip()
 info = {"rank": int(os.environ.get("RANK", 0)), "env": env, "argv": sys.argv[1:],
-        "threads": [torch.get_num_threads(), torch.get_num_interop_threads()]}
+        "threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
+        "cmdline": cmdline, "comm": comm}
 print("RANKINFO " + json.dumps(info), flush=True)
 if "WORLD_SIZE" in os.environ:
     dist.destroy_process_group()
