@@ -117,7 +117,8 @@ def run_target(target: PythonTarget) -> int:
             exec(code, main.__dict__)
         else:
             _show_code_in_tracebacks(target.value)
-            exec(compile(target.value, "<string>", "exec"), main.__dict__)
+            # dont_inherit: the program's code gets none of this module's __future__ features
+            exec(compile(target.value, "<string>", "exec", dont_inherit=True), main.__dict__)
         return 0
     except SystemExit as exc:
         return runtime.exit_status_of(exc)

@@ -58,4 +58,4 @@ def code_of(path: str):
         if data[:4] != importlib.util.MAGIC_NUMBER:
             raise RuntimeError("Bad magic number in .pyc file")
         return marshal.loads(data[PYC_HEADER:])
-    return compile(data, path, "exec")
+    return compile(data, path, "exec", dont_inherit=True)  # not this file's __future__

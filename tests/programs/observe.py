@@ -18,8 +18,17 @@ def handler_name(h):
         return "default_int_handler"
     return repr(h) if h is not None else None
 
+annotated: int = 1  # evaluated, unless the code was compiled with a __future__ flag
+
+
+def annotated_function(a: int) -> str:
+    return str(a)
+
+
 obs = {
     "argv": sys.argv,
+    "code_flags": sys._getframe().f_code.co_flags,  # __future__ features the code has
+    "annotations": [repr(__annotations__), repr(annotated_function.__annotations__)],
     "path0": sys.path[0],
     "main_keys": sorted(k for k in vars(__main__) if k.startswith("__")),
     "main_name": __main__.__name__,
