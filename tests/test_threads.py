@@ -20,7 +20,9 @@ PARALLEL_STEP = textwrap.dedent("""
     a = numpy.ones((512, 512))
     print("ok", float((x @ x).sum()), float((a @ a).sum()), torch.get_num_threads())
 """)
-COUNTS = "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())"
+# torch's counts, and the process's native threads (OpenBLAS starts its workers when it loads)
+COUNTS = ("import os, torch; print(torch.get_num_threads(), torch.get_num_interop_threads(), "
+          "len(os.listdir('/proc/self/task')))")
 
 
 @pytest.fixture
@@ -54,7 +56,7 @@ def test_a_parallel_op_at_import_never_hangs_a_step(warm_at_import, module):
 
 
 @pytest.mark.parametrize("threads_env", [{}, {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "3"},
-                                          {"MKL_NUM_THREADS": "1"}])
+                                          {"MKL_NUM_THREADS": "1"}, {"OPENBLAS_NUM_THREADS": "1"}])
 def test_a_steps_thread_counts_are_a_fresh_interpreters(torch_launcher, threads_env):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env.update(threads_env)
@@ -69,7 +71,8 @@ def test_ranks_get_torchruns_thread_counts(torch_launcher, tmp_path):
     # One write per rank: two ranks share the output pipe, and print() writes the line and its
     # newline separately when output is unbuffered.
     script.write_text("import os, json, torch\nos.write(1, (json.dumps([os.environ['RANK'], "
-                      "torch.get_num_threads(), torch.get_num_interop_threads()]) + '\\n').encode())\n")
+                      "torch.get_num_threads(), torch.get_num_interop_threads(), "
+                      "len(os.listdir('/proc/self/task'))]) + '\\n').encode())\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     args = [TORCHRUN, "--nproc_per_node=2", str(script)]
     ours = torch_launcher.run(args, env=env, timeout=120)

@@ -337,7 +337,9 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     os.chdir(spec.cwd)
     reseed_random_generators()
     native_env.reapply()
-    threads.apply_fresh_counts(spec.thread_counts, cpus)
+    # a launcher (torchrun's agent, accelerate) leaves the pools to the programs it forks
+    launcher = spec.torchrun_args is not None or spec.accelerate_args is not None
+    threads.apply_fresh_counts(spec.thread_counts, cpus, pools_too=not launcher)
     wanted = Settings.from_env()  # the step's own environment asks
     deferral.install_for_step(state.deferred, wanted.deferred)
     use_spawn_proxy(state.spawn_executable if wanted.spawn else "")

@@ -220,7 +220,7 @@ class Preloader:
         modules = [m for m in self.profile.to_preload(exclude=exclude)
                    if top_level(m) not in self.refused | self.blocker.packages]
         budget = self.config.learn_budget_s - self.learn_spent_s
-        with module_table.recording():
+        with threads.preload_limits(), module_table.recording():  # as at start-up, while idle too
             summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker)
         self.profile.leave_to_steps(summary["guards_deferred"])  # not tried again later
         failed = summary.pop("failed_modules")

@@ -8,6 +8,16 @@ same for other OpenMP/BLAS libraries when it is installed): an op a module runs 
 on the main thread, and no team exists at fork time. Torch's inter-op pool is never touched,
 so a step may still size it.
 
+OpenBLAS (its pthreads build: numpy's and scipy's wheels) starts its workers when it loads,
+sized by ``OPENBLAS_NUM_THREADS`` (else the CPU count), and parks them at fork. A child that then
+resizes its pool first restarts it at that load-time size (``goto_set_num_threads``' lazy
+re-init after a fork), so a step given one thread would keep a worker per CPU of the zygote's,
+idle, that a fresh process never starts (15 a rank on a 16-CPU machine, counted against the
+job's thread and pid limits). So the zygote's imports see ``OPENBLAS_NUM_THREADS=1`` in the C
+environment, which OpenBLAS reads and ``os.environ`` does not mirror (python code sees the
+environment as it is): OpenBLAS loads with no worker, and a step sized to N starts N-1, as a
+fresh load does. What a fresh load would choose is then asked of a fresh interpreter.
+
 A step then gets the counts a fresh interpreter reports under the step's own thread variables
 (``settings.THREAD_ENV``; torchrun sets ``OMP_NUM_THREADS=1`` for several ranks): torch's
 intra- and inter-op counts, and the pool of every OpenMP/BLAS library loaded here (numpy's
@@ -21,6 +31,7 @@ disk, and in the zygote).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import subprocess
@@ -83,9 +94,26 @@ def _threadpoolctl() -> Iterator:
 
 
 @contextlib.contextmanager
+def _c_environment(name: str, value: str) -> Iterator[None]:
+    """``name=value`` for native code's ``getenv`` (not in ``os.environ``), then as it was."""
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    before = libc.getenv(name.encode())
+    libc.setenv(name.encode(), value.encode(), 1)
+    try:
+        yield
+    finally:
+        if before is None:
+            libc.unsetenv(name.encode())
+        else:
+            libc.setenv(name.encode(), before, 1)
+
+
+@contextlib.contextmanager
 def preload_limits() -> Iterator[None]:
-    """One thread for every OpenMP/BLAS library threadpoolctl finds, while importing."""
-    with _threadpoolctl() as threadpoolctl:
+    """One thread for every OpenMP/BLAS library threadpoolctl finds, and for OpenBLAS loaded
+    meanwhile, while the zygote imports."""
+    with _threadpoolctl() as threadpoolctl, _c_environment("OPENBLAS_NUM_THREADS", "1"):
         if threadpoolctl is None:
             yield
             return
@@ -126,14 +154,22 @@ class FreshCounts:
         self.refresh()
 
     def refresh(self) -> None:
-        """Libraries loaded since (learned modules): the zygote's own pools, untouched since
-        they loaded, are a fresh process's defaults (torch's OpenMP aside, which its intra-op
-        count sets in the step)."""
+        """Libraries loaded since (learned modules), and what a fresh process without thread
+        variables gives them: torch's counts are the zygote's own from before it pinned them;
+        the pools' sizes come from a fresh interpreter that loads just those libraries (a
+        tenth of a second: the zygote's OpenBLAS loaded at one thread, its OpenMP is pinned)."""
         if len(sys.modules) != self.modules_seen:
             self.modules_seen = len(sys.modules)
-            pools = pool_libraries()
-            self.libraries = sorted(pools)
-            self.known[key_of({})] = [*self.defaults, pools]
+            self.libraries = sorted(pool_libraries())
+            counts = self.known.get(key_of({}))
+            if counts is None or not set(self.libraries) <= set(counts[2]):
+                pools = {}
+                if self.libraries:
+                    probe = _start_probe(_without_thread_env(os.environ), None, False,
+                                         self.libraries)
+                    out, _ = probe.communicate(timeout=120)
+                    pools = json.loads(out.splitlines()[-1])[2]
+                self.known[key_of({})] = [*self.defaults, pools]
 
     def _complete(self, key: str) -> bool:
         counts = self.known.get(key)
@@ -144,7 +180,7 @@ class FreshCounts:
         """Start asking a fresh interpreter now (in the background), unless known already."""
         key = key_of(env, cpus)
         if (self.torch or self.libraries) and not self._complete(key) and key not in self.probes:
-            probe_env = {**{k: v for k, v in os.environ.items() if k not in THREAD_ENV},
+            probe_env = {**_without_thread_env(os.environ),
                          **{k: env[k] for k in THREAD_ENV if k in env}}
             self.probes[key] = _start_probe(probe_env, cpus, self.torch, self.libraries)
 
@@ -167,6 +203,10 @@ class FreshCounts:
         envs = [env] + ([{**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}]
                         if multi_rank else [])
         return {key_of(e, cpus): self.for_env(e, cpus) for e in envs}
+
+
+def _without_thread_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in THREAD_ENV}
 
 
 def _start_probe(env: Mapping[str, str], cpus: Optional[list[int]], torch: bool,
@@ -204,15 +244,19 @@ def _counts_here(table: dict[str, list], cpus: Optional[list[int]]) -> Optional[
         return None
 
 
-def apply_fresh_counts(table: dict[str, list], cpus: Optional[list[int]] = None) -> None:
+def apply_fresh_counts(table: dict[str, list], cpus: Optional[list[int]] = None,
+                       pools_too: bool = True) -> None:
     """In a forked step or rank: the thread pools as a fresh interpreter would have them
     (``cpus``: the caller's CPU set, where it is not the zygote's). Torch's intra-op count
-    goes last: it sizes torch's own OpenMP pool as torch decides."""
+    goes last: it sizes torch's own OpenMP pool as torch decides. ``pools_too=False``: a
+    launcher that forks its programs (torchrun's agent, accelerate) leaves the pools to them:
+    OpenBLAS's workers, once started here, would set how many each restarts (see the top of
+    the module)."""
     counts = _counts_here(table, cpus)
     if counts is None:
         return
     intra, inter, pools = counts
-    for path, size in pools.items():
+    for path, size in pools.items() if pools_too else ():
         lib = _pools.get(path)
         if lib is not None and lib.get_num_threads() != size:
             lib.set_num_threads(size)

@@ -5,6 +5,8 @@ import sys
 
 import torch
 
+native_threads = len(os.listdir("/proc/self/task"))  # before gloo starts its own
+
 if "WORLD_SIZE" in os.environ:
     import torch.distributed as dist
     dist.init_process_group("gloo")
@@ -20,7 +22,7 @@ with open("/proc/self/cmdline", "rb") as f:  # what ps shows of this program
 with open("/proc/self/comm") as f:
     comm = f.read().strip()
 info = {"rank": int(os.environ.get("RANK", 0)), "env": env, "argv": sys.argv[1:],
-        "threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
+        "threads": [torch.get_num_threads(), torch.get_num_interop_threads(), native_threads],
         "cmdline": cmdline, "comm": comm}
 print("RANKINFO " + json.dumps(info), flush=True)
 if "WORLD_SIZE" in os.environ:
