@@ -25,8 +25,37 @@ DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch"
 # steps that agree on these and on every variable its preload was seen reading.
 IMPORT_ENV_KEYS = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE",
                    "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONUTF8", "PYTHONPLATLIBDIR",
-                   "PYTHONSAFEPATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
-                   "PRELOAD_LAUNCHER_PROBE")
+                   "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE", "LD_PRELOAD", "LD_LIBRARY_PATH",
+                   "VIRTUAL_ENV", "PRELOAD_LAUNCHER_PROBE")
+
+# Every setting python takes from the environment (``python --help-env``) has one rule here
+# (tests/test_differential.py checks that each variable python documents has one), so that
+# no step ever gets a start-up setting of another step's:
+# - IMPORT_ENV_KEYS (above): a zygote starts with its first step's value and serves only
+#   steps that agree (the hash seed, sys.flags.dont_write_bytecode, ...);
+# - STARTUP_FLAG_ENV: what they put in ``sys.flags`` keys the zygote the same way
+#   (``interpreter.startup_flags``);
+STARTUP_FLAG_ENV = ("PYTHONOPTIMIZE", "PYTHONDEVMODE", "PYTHONWARNDEFAULTENCODING",
+                    "PYTHONINTMAXSTRDIGITS", "PYTHONUTF8")
+# - STEP_STARTUP_ENV: a zygote starts without them, and each step applies its own (``child``);
+STEP_STARTUP_ENV = ("PYTHONFAULTHANDLER", "PYTHONTRACEMALLOC")
+# - FRESH_START_ENV: a zygote starts without them, and a step that sets one runs as a fresh
+#   interpreter (``rerun``): the allocator, code objects' position tables, the interactive
+#   prompt after the program, the perf trampoline, the CPU count, frozen modules, the GIL,
+#   every import printed or timed, and a debug build's own switches take effect only there;
+FRESH_START_ENV = ("PYTHONINSPECT", "PYTHONMALLOC", "PYTHONMALLOCSTATS", "PYTHONNODEBUGRANGES",
+                   "PYTHONPERFSUPPORT", "PYTHON_PERF_JIT_SUPPORT", "PYTHON_CPU_COUNT",
+                   "PYTHON_FROZEN_MODULES", "PYTHON_GIL", "PYTHON_JIT", "PYTHONVERBOSE",
+                   "PYTHONPROFILEIMPORTTIME", "PYTHONCASEOK", "PYTHONDEBUG", "PYTHONDUMPREFS",
+                   "PYTHONSHOWREFCOUNT", "PYTHON_PRESITE")
+# - STEP_ENV: read by python as the program runs, or set up in each step from the step's own
+#   environment (stdio, locale coercion, the bytecode cache folder, breakpoint()), or used only
+#   by the interactive prompt, or on another platform.
+STEP_ENV = ("PYTHONIOENCODING", "PYTHONUNBUFFERED", "PYTHONCOERCECLOCALE", "PYTHONPYCACHEPREFIX",
+            "PYTHONBREAKPOINT", "PYTHONSTARTUP", "PYTHON_HISTORY", "PYTHON_BASIC_REPL",
+            "PYTHON_COLORS", "PYTHONEXECUTABLE", "PYTHONLEGACYWINDOWSFSENCODING",
+            "PYTHONLEGACYWINDOWSSTDIO", "PYTHON_THREAD_INHERIT_CONTEXT",
+            "PYTHON_CONTEXT_AWARE_WARNINGS", "PYTHON_TLBC")
 
 # Set per test by pytest: never in a zygote's environment, never import-relevant (torch_geometric
 # allocates CUDA tensors at import when it is set, pyg#10582).

@@ -134,3 +134,42 @@ def test_a_console_script_of_this_interpreter_runs_as_the_kernel_starts_it(light
     assert got.via == "zygote", got.reason
     assert (got.returncode, ref.returncode) == (5, 5)
     assert json.loads(got.stdout) == json.loads(ref.stdout)
+
+
+def test_every_setting_python_takes_from_the_environment_has_a_rule():
+    """A start-up variable without a rule would be whatever the zygote's first step had."""
+    import re
+    from preload_launcher import settings
+    documented = subprocess_help_env()
+    if documented is None:
+        pytest.skip("this python has no --help-env (3.11+)")
+    ruled = set(settings.IMPORT_ENV_KEYS + settings.STARTUP_FLAG_ENV + settings.STEP_STARTUP_ENV
+                + settings.FRESH_START_ENV + settings.STEP_ENV)
+    assert sorted(set(re.findall(r"\bPYTHON[A-Z0-9_]*[A-Z0-9]", documented)) - ruled) == []
+
+
+def subprocess_help_env():
+    import subprocess
+    done = subprocess.run([PY, "--help-env"], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+STARTUP = {"PYTHONFAULTHANDLER": "1", "PYTHONNODEBUGRANGES": "1", "PYTHONMALLOC": "malloc",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONTRACEMALLOC": "2"}
+
+
+def test_no_step_gets_a_start_up_setting_of_another_steps(tmp_path):
+    """The first step (which starts the zygote) sets them, the second does not, the third does
+    again: each observes what a fresh interpreter under its own environment does."""
+    from preload_launcher import Launcher
+    base = {k: v for k, v in os.environ.items() if k not in STARTUP}
+    launcher = Launcher(["json"])
+    try:
+        for step, env in enumerate((dict(base, **STARTUP), base, dict(base, **STARTUP))):
+            args = [PY, program("startup_settings.py")]
+            ref = observe(plain, args, cwd=str(tmp_path), env=env)
+            got = launcher.run(args, cwd=str(tmp_path), env=env)
+            assert got.returncode == 0, got.stdout
+            assert json.loads(got.stdout.strip().splitlines()[-1]) == ref, step
+    finally:
+        launcher.close()

@@ -58,10 +58,12 @@ class ZygoteProcess:
         self.modules = list(modules)
         # Coverage starts per step, in the child; a measured zygote would hand its tracer down.
         # Per-test variables are the step's business, never the preload's; so are thread
-        # counts, which each step sets for itself (what torch reports there is the default).
+        # counts, which each step sets for itself (what torch reports there is the default),
+        # and the start-up settings a step applies itself or runs fresh for (``settings``).
+        own = (settings.PER_TEST_ENV + settings.THREAD_ENV + settings.STEP_STARTUP_ENV
+               + settings.FRESH_START_ENV)
         self.env = {k: v for k, v in env.items()
-                    if not k.startswith(COVERAGE_ENV_PREFIXES)
-                    and k not in settings.PER_TEST_ENV + settings.THREAD_ENV}
+                    if not k.startswith(COVERAGE_ENV_PREFIXES) and k not in own}
         self.settings = Settings.from_env(env)
         self.cache_dir = cache_dir or self.settings.cache_dir
         runtime = settings.runtime_dir()

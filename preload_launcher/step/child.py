@@ -18,7 +18,7 @@ import types
 import warnings
 from typing import Optional
 
-from .. import interpreter, protocol
+from .. import interpreter, protocol, settings
 from ..command import PythonTarget
 from ..zygote import deferral, learn
 from . import import_effects, module_table, runtime, script, stdio
@@ -154,6 +154,9 @@ def only_a_fresh_start_applies(target: PythonTarget) -> str:
     xoptions = dict(o.partition("=")[::2] for o in target.xoptions)
     if "importtime" in xoptions or os.environ.get("PYTHONPROFILEIMPORTTIME"):
         return "import-time profiling (-X importtime, PYTHONPROFILEIMPORTTIME) profiles every import"
+    asked = [key for key in settings.FRESH_START_ENV if os.environ.get(key)]
+    if asked:  # the zygote started without them (settings.FRESH_START_ENV)
+        return f"{asked[0]} takes effect only as python starts"
     prefix = xoptions.get("pycache_prefix") or os.environ.get("PYTHONPYCACHEPREFIX") or None
     if prefix is not None:
         prefix = os.path.abspath(prefix)
