@@ -39,9 +39,14 @@ class PythonTarget:
     file_as_given: bool = False  # __main__.__file__ as given (runpy.run_path: torchrun --run-path)
     # What the test runner it starts sets in its own process before any test code (runner_env).
     runner_env: dict = field(default_factory=dict)
+    # The command line as given up to the script, module or code ([] = rebuilt from the above)
+    head: list[str] = field(default_factory=list)
 
     def command_line(self) -> list[str]:
-        """The argv ``execve`` gives a fresh interpreter (its ``sys.orig_argv``)."""
+        """The argv ``execve`` gives a fresh interpreter (its ``sys.orig_argv``): as given
+        (``-uB``, ``-Werror``, ``-cCODE`` stay as typed), else rebuilt."""
+        if self.head:
+            return [*self.head, *self.args]
         flags = (["-u"] if self.unbuffered else []) + (["-B"] if self.dont_write_bytecode else [])
         for w in self.warnoptions:
             flags += ["-W", w]
@@ -275,11 +280,13 @@ def parse_python_argv(argv: list[str]) -> Union[PythonTarget, Unsupported]:
         arg = argv[i]
         if arg == "--" and i + 1 < len(argv):
             target.kind, target.value, target.args = "script", argv[i + 1], argv[i + 2:]
+            target.head = argv[:i + 2]
             return target
         if not arg.startswith("-") or arg == "-":
             if arg == "-":
                 return Unsupported("script from standard input")
             target.kind, target.value, target.args = "script", arg, argv[i + 1:]
+            target.head = argv[:i + 1]
             return target
         j = 1
         while j < len(arg):
@@ -293,11 +300,9 @@ def parse_python_argv(argv: list[str]) -> Union[PythonTarget, Unsupported]:
                     value = argv[i]
                 else:
                     return Unsupported(f"option -{opt} needs an argument")
-                if opt == "m":
-                    target.kind, target.value, target.args = "module", value, argv[i + 1:]
-                    return target
-                if opt == "c":
-                    target.kind, target.value, target.args = "code", value, argv[i + 1:]
+                if opt in "mc":
+                    target.kind = "module" if opt == "m" else "code"
+                    target.value, target.args, target.head = value, argv[i + 1:], argv[:i + 1]
                     return target
                 if opt == "W":
                     target.warnoptions.append(value)

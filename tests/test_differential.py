@@ -24,7 +24,7 @@ def strip(obs):
     return {k: v for k, v in obs.items() if k not in PER_PROCESS}
 
 
-@pytest.mark.parametrize("form", ["script", "relative-script", "module", "code"])
+@pytest.mark.parametrize("form", ["script", "relative-script", "module", "code", "options"])
 def test_fresh_interpreter_observations_match(light, tmp_path, form):
     env = dict(os.environ, OBSERVE_MARKER="m1", PYTHONPATH=os.path.dirname(program("observe.py")))
     src = open(program("observe.py")).read()
@@ -33,6 +33,7 @@ def test_fresh_interpreter_observations_match(light, tmp_path, form):
         "relative-script": [PY, "programs/observe.py", "x"],
         "module": [PY, "-m", "observe", "y"],
         "code": [PY, "-c", src, "z"],
+        "options": [PY, "-uB", "-Wdefault", "-c" + src, "--", "w"],
     }[form]
     cwd = os.path.dirname(os.path.dirname(program("observe.py"))) if form == "relative-script" \
         else str(tmp_path)

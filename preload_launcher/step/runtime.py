@@ -318,6 +318,8 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     # The zygote's objects made since its image was frozen join it: a collection in the step
     # (its own, or at exit) then never writes to their pages (a copy-on-write fault each).
     gc.freeze()
+    # python's fork handling keeps the zygote's thread id as the main thread's native_id
+    threading.main_thread()._set_native_id()  # type: ignore[attr-defined]
     restore_signals(state.signal_handlers)
     cpus = process_attrs.affinity_change(spec.process)  # before taking the caller's on
     process_attrs.apply(spec.process)

@@ -27,6 +27,7 @@ def annotated_function(a: int) -> str:
 
 obs = {
     "argv": sys.argv,
+    "orig_argv": sys.orig_argv,
     "code_flags": sys._getframe().f_code.co_flags,  # __future__ features the code has
     "annotations": [repr(__annotations__), repr(annotated_function.__annotations__)],
     "path0": sys.path[0],
@@ -41,6 +42,7 @@ obs = {
                 if s not in (signal.SIGKILL, signal.SIGSTOP)},
     "is_main_thread": threading.current_thread() is threading.main_thread(),
     "main_thread_name": threading.main_thread().name,
+    "main_thread_native_id_is_own": threading.main_thread().native_id == threading.get_native_id(),
     "threads": threading.active_count(),
     "mp_name": multiprocessing.current_process().name,
     "mp_parent": multiprocessing.parent_process() is None,
