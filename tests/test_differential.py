@@ -174,3 +174,22 @@ def test_no_step_gets_a_start_up_setting_of_another_steps(tmp_path):
             assert json.loads(got.stdout.strip().splitlines()[-1]) == ref, step
     finally:
         launcher.close()
+
+
+def test_loggers_a_preloaded_import_made_are_the_steps_once_it_imports_it(tmp_path):
+    """dictConfig (disable_existing_loggers) before the import: the library's loggers stay
+    enabled, as they do plainly (they were disabled: they existed already in the zygote)."""
+    from preload_launcher import Launcher
+    site = os.path.join(os.path.dirname(program("observe.py")), "site_loggers")
+    env = dict(os.environ, PYTHONPATH=site)
+    launcher = Launcher(["json", "logging", "makes_loggers"])
+    try:
+        args = [PY, program("logging_config.py")]
+        ref = plain(args, cwd=str(tmp_path), env=env)
+        got = launcher.run(args, cwd=str(tmp_path), env=env)
+        assert got.via == "zygote", got.reason
+        assert "makes_loggers" in launcher.zygotes[0].status["preload"]["loaded"]
+        assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
+        assert "library says hello" in ref.stdout
+    finally:
+        launcher.close()

@@ -1,6 +1,6 @@
-"""What a preloaded module's import registers interpreter-wide — warning filters and exit
-handlers — is a step's only once the step imports that module, as a fresh import would
-register it then.
+"""What a preloaded module's import registers interpreter-wide — warning filters, exit
+handlers and loggers — is a step's only once the step imports that module, as a fresh import
+would register it then.
 
 The stack registers both at import (torch: filters for numpy's size-changed messages and its
 tracer, a handful of exit handlers; megatron.core and modelopt their own). Left in place, a
@@ -19,6 +19,15 @@ steps agree) and the recorded exit handlers are unregistered; handing modules ba
 Filters are reset only where replaying every recorded call on the zygote's starting filters
 gives the zygote's filters (no module changed ``warnings.filters`` by hand); otherwise steps
 keep the zygote's filters (a known difference).
+
+Loggers: the ones a module's import made (``logging.getLogger``) are recorded against it, and a
+step starts without them and without the launcher's own (out of ``loggerDict``, the hierarchy
+mended as ``logging.Manager`` mends it): ``logging.config``'s ``disable_existing_loggers``, the
+default of ``dictConfig`` and ``fileConfig``, disables the loggers that exist when it runs, and
+a program that configures logging before ``import torch`` gets torch's loggers enabled. A
+module handed back brings back its loggers (the objects it holds); ``getLogger`` of such a name
+before that brings it back too, so there is never a second logger of one name. Records'
+``relativeCreated`` counts from the step's start (a fresh process's logging is that young).
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ import atexit
 import contextlib
 import functools
 import itertools
+import logging
 import sys
+import time
 import warnings
 import weakref
 from typing import Callable, Iterator, Optional
@@ -41,6 +52,10 @@ _start_filters: Optional[list] = None  # before the first recording: python's, P
 _filters_replayable = False
 _exit_handlers: list[Callable] = []  # every recorded one, to unregister in a step
 _recorder: Optional[Callable] = None  # set while recording: (replay function, args, kwargs)
+_loggers: dict[str, list[str]] = {}  # module -> the loggers its import made, by name
+_hidden: dict[str, logging.Logger] = {}  # in a step: preloaded loggers it has not made yet
+_manager = logging.Logger.manager
+_get_logger = type(_manager).getLogger.__get__(_manager)  # python's own
 
 
 def _add_filter(*item, append):
@@ -82,13 +97,27 @@ def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
             record(_add_filter, item, {"append": append})
         return add(*item, append=append)
 
+    def recording_get_logger(name):
+        made = not isinstance(_manager.loggerDict.get(name), logging.Logger)
+        logger = _get_logger(name)
+        module = importing(sys._getframe(1)) if made else None
+        if module is not None:
+            _loggers.setdefault(module, []).append(name)
+        return logger
+
     warnings._add_filter = recording_add_filter  # type: ignore[attr-defined]
     atexit.register, _recorder = _register, record
+    outer = _manager.__dict__.get("getLogger")  # an enclosing recording's (learned modules)
+    _manager.getLogger = recording_get_logger  # logging.getLogger calls the manager's
     try:
         yield
     finally:
         warnings._add_filter = add  # type: ignore[attr-defined]
         atexit.register, _recorder = _real_register, None
+        if outer is None:
+            del _manager.getLogger
+        else:
+            _manager.getLogger = outer
 
 
 def _replay(calls: list[tuple]) -> None:
@@ -119,9 +148,55 @@ def start_fresh() -> None:
     # (torch.library's ~30 ms; a preloaded module's temporary folder, the zygote's own).
     for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
         finalizer.atexit = False
+    _hide_loggers()
+
+
+def _hide_loggers() -> None:
+    """The loggers preloaded imports and the launcher made leave ``loggerDict`` (see above)."""
+    logging._startTime = (time.time_ns() if isinstance(logging._startTime, int)  # type: ignore
+                          else time.time())
+    made = {name for names in _loggers.values() for name in names}
+    made |= {name for name in _manager.loggerDict if name.partition(".")[0] == "preload_launcher"}
+    with logging._lock:  # type: ignore[attr-defined]
+        for name in made:
+            logger = _manager.loggerDict.pop(name, None)
+            if isinstance(logger, logging.Logger):
+                _hidden[name] = logger
+        for name, item in list(_manager.loggerDict.items()):  # placeholders for hidden ones
+            if isinstance(item, logging.PlaceHolder):
+                for logger in [lg for lg in item.loggerMap if lg.name in _hidden]:
+                    del item.loggerMap[logger]
+                if not item.loggerMap:
+                    del _manager.loggerDict[name]
+        for item in list(_manager.loggerDict.values()):
+            if isinstance(item, logging.Logger) and _hidden.get(item.parent.name) is item.parent:
+                _manager._fixupParents(item)  # type: ignore[attr-defined]
+    _manager.getLogger = _revealing_get_logger
+
+
+def _revealing_get_logger(name):
+    if name in _hidden:
+        _reveal(name)
+    return _get_logger(name)
+
+
+def _reveal(name: str) -> None:
+    """A hidden logger back in ``loggerDict``, as ``Manager.getLogger`` adds one it made."""
+    with logging._lock:  # type: ignore[attr-defined]
+        logger = _hidden.pop(name, None)
+        if logger is None or isinstance(_manager.loggerDict.get(name), logging.Logger):
+            return
+        placeholder = _manager.loggerDict.get(name)
+        _manager.loggerDict[name] = logger
+        if isinstance(placeholder, logging.PlaceHolder):
+            _manager._fixupChildren(placeholder, logger)  # type: ignore[attr-defined]
+        _manager._fixupParents(logger)  # type: ignore[attr-defined]
+        logger._cache.clear()  # type: ignore[attr-defined]
 
 
 def bring_back(names: list[str]) -> None:
     """In a step: the modules ``names`` are handed back, with their imports' registrations."""
     _replay([call for name in names for call in _calls.get(name, ())
              if _filters_replayable or call[1] is not _add_filter])
+    for logger_name in [n for name in names for n in _loggers.get(name, ())]:
+        _reveal(logger_name)
