@@ -193,3 +193,20 @@ def test_loggers_a_preloaded_import_made_are_the_steps_once_it_imports_it(tmp_pa
         assert "library says hello" in ref.stdout
     finally:
         launcher.close()
+
+
+def test_a_spawn_pools_results_of_the_scripts_own_classes(tmp_path):
+    """multiprocessing's import makes __main__ also __mp_main__; a result of a class the script
+    defines is unpickled through it (forked, it was the zygote's __main__: the pool's result
+    thread failed on the attribute and map() waited for ever)."""
+    from preload_launcher import Launcher
+    launcher = Launcher(["json", "multiprocessing"])
+    try:
+        args = [PY, program("spawn_pool_result.py")]
+        ref = plain(args, cwd=str(tmp_path))
+        got = launcher.run(args, cwd=str(tmp_path), timeout=120)  # bounds a hang only
+        assert got.via == "zygote", got.reason
+        assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
+        assert "[Result(2), Result(4)]" in ref.stdout
+    finally:
+        launcher.close()

@@ -250,6 +250,9 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, stash: dict, start_env: dict[str, str],
                  on_changed: Callable[[dict[str, str]], None]) -> None:
         self.stash = stash  # what is still to hand back
+        # the zygote's __main__, also stashed under another name (multiprocessing's import
+        # makes it __mp_main__, which unpickling a spawned worker's result imports)
+        self.zygote_main = sys.modules.get("__main__")
         self.zygotes = dict(stash)  # every stashed module, handed back or not
         self.decided: dict[tuple, bool] = {}  # (top-level name, own path entries) -> shadowed
         self.listed: dict[tuple, set[str]] = {}  # own path entries -> the names they provide
@@ -317,7 +320,14 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if self.checking and dict(os.environ) != self.start_env:
             self.check_env(names)
         for member in names:
-            sys.modules[member] = self.stash.pop(member)
+            module = self.stash.pop(member)
+            # the zygote's __main__ is never a step's module: an alias of it is the step's own
+            sys.modules[member] = sys.modules["__main__"] if module is self.zygote_main else module
+        if "multiprocessing" in names and "__main__" in sys.modules:
+            # what its import does (multiprocessing/__init__.py), with the step's __main__:
+            # a spawned worker's result of a class the script defines unpickles through it
+            sys.modules["__mp_main__"] = sys.modules["__main__"]
+            self.stash.pop("__mp_main__", None)
         import_effects.bring_back(names)
         return sys.modules[name]
 
