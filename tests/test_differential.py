@@ -210,3 +210,41 @@ def test_a_spawn_pools_results_of_the_scripts_own_classes(tmp_path):
         assert "[Result(2), Result(4)]" in ref.stdout
     finally:
         launcher.close()
+
+
+def test_a_submodule_the_step_has_not_imported_is_no_attribute_of_its_package(tmp_path):
+    """``from pkg import sub`` after setting sub's variable: sub is imported then, and reads it
+    (forked, pkg held the zygote's sub as an attribute: the variable was silently not read)."""
+    from preload_launcher import Launcher
+    site = os.path.join(os.path.dirname(program("observe.py")), "site_lazy")
+    env = dict(os.environ, PYTHONPATH=site)
+    env.pop("LAZY_PKG_OFFLINE", None)
+    launcher = Launcher(["json", "lazy_pkg", "imports_constants"])
+    try:
+        args = [PY, program("configure_then_import.py")]
+        ref = plain(args, cwd=str(tmp_path), env=env)
+        got = launcher.run(args, cwd=str(tmp_path), env=env)
+        assert "imports_constants" in launcher.zygotes[0].status["preload"]["loaded"]
+        assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
+        assert ref.stdout.split() == ["before", "False", "offline", "True"]
+    finally:
+        launcher.close()
+
+
+def test_a_variable_a_preloaded_import_sets_arrives_with_that_import(tmp_path):
+    """Before the step imports the module, neither it nor a process it starts has the variable
+    (both had it from the step's first line)."""
+    from preload_launcher import Launcher
+    site = os.path.join(os.path.dirname(program("observe.py")), "site_env")
+    env = dict(os.environ, PYTHONPATH=site)
+    env.pop("SETS_ENV_CACHE", None)
+    launcher = Launcher(["json", "sets_env"])
+    try:
+        args = [PY, program("env_set_at_import.py")]
+        ref = plain(args, cwd=str(tmp_path), env=env)
+        got = launcher.run(args, cwd=str(tmp_path), env=env)
+        assert got.via == "zygote", got.reason
+        assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
+        assert ref.stdout.strip() == "[None, 'None', 'cache-of-sets-env']"
+    finally:
+        launcher.close()

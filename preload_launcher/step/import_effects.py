@@ -1,6 +1,6 @@
 """What a preloaded module's import registers interpreter-wide — warning filters, exit
-handlers and loggers — is a step's only once the step imports that module, as a fresh import
-would register it then.
+handlers, loggers and the environment variables it sets — is a step's only once the step
+imports that module, as a fresh import would register it then.
 
 The stack registers both at import (torch: filters for numpy's size-changed messages and its
 tracer, a handful of exit handlers; megatron.core and modelopt their own). Left in place, a
@@ -9,7 +9,9 @@ step that never imports torch would see torch's filters (and python's
 
 In the zygote (``recording``): each registration a module's import makes is recorded as the call
 it was, against the module being imported, in the order made: ``warnings._add_filter`` (what
-``filterwarnings`` and ``simplefilter`` call) and ``atexit.register``. A filter set inside a
+``filterwarnings`` and ``simplefilter`` call), ``atexit.register`` and ``os.environ[key] =``
+(inductor's ``TORCHINDUCTOR_CACHE_DIR``: a step that never imports it, and the processes it
+starts, must not have it; replayed as ``setdefault``, which a step's own value survives). A filter set inside a
 ``catch_warnings`` block goes to that block's own list (which the block discards) and is not
 recorded. In a step (``start_fresh``, before its own options apply): the filters are the
 zygote's before its preload (python's defaults and ``PYTHONWARNINGS``, on which a zygote and its
@@ -37,6 +39,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 import sys
 import time
 import warnings
@@ -55,6 +58,7 @@ _recorder: Optional[Callable] = None  # set while recording: (replay function, a
 _loggers: dict[str, list[str]] = {}  # module -> the loggers its import made, by name
 _hidden: dict[str, logging.Logger] = {}  # in a step: preloaded loggers it has not made yet
 _manager = logging.Logger.manager
+env_set_by_modules: set[str] = set()  # variables a recorded import set (replayed with it)
 _get_logger = type(_manager).getLogger.__get__(_manager)  # python's own
 
 
@@ -105,8 +109,19 @@ def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
             _loggers.setdefault(module, []).append(name)
         return logger
 
+    environ_type = type(os.environ)
+    set_item = environ_type.__setitem__
+
+    def recording_set_item(environ, key, value):
+        set_item(environ, key, value)
+        module = importing(sys._getframe(1)) if environ is os.environ else None
+        if module is not None:
+            _calls.setdefault(module, []).append((next(_sequence), _set_env, (key, value), {}))
+            env_set_by_modules.add(key)
+
     warnings._add_filter = recording_add_filter  # type: ignore[attr-defined]
     atexit.register, _recorder = _register, record
+    environ_type.__setitem__ = recording_set_item
     outer = _manager.__dict__.get("getLogger")  # an enclosing recording's (learned modules)
     _manager.getLogger = recording_get_logger  # logging.getLogger calls the manager's
     try:
@@ -114,10 +129,19 @@ def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
     finally:
         warnings._add_filter = add  # type: ignore[attr-defined]
         atexit.register, _recorder = _real_register, None
+        environ_type.__setitem__ = set_item
         if outer is None:
             del _manager.getLogger
         else:
             _manager.getLogger = outer
+
+
+_set_now: dict[str, str] = {}  # what the replay in progress set
+
+
+def _set_env(key: str, value: str) -> None:
+    if key not in os.environ:  # the step's own value stands
+        os.environ[key] = _set_now[key] = value
 
 
 def _replay(calls: list[tuple]) -> None:
@@ -194,9 +218,12 @@ def _reveal(name: str) -> None:
         logger._cache.clear()  # type: ignore[attr-defined]
 
 
-def bring_back(names: list[str]) -> None:
-    """In a step: the modules ``names`` are handed back, with their imports' registrations."""
+def bring_back(names: list[str]) -> dict[str, str]:
+    """In a step: the modules ``names`` are handed back, with their imports' registrations.
+    Returns the variables their imports set (not the step's doing: ``module_table``)."""
+    _set_now.clear()
     _replay([call for name in names for call in _calls.get(name, ())
              if _filters_replayable or call[1] is not _add_filter])
     for logger_name in [n for name in names for n in _loggers.get(name, ())]:
         _reveal(logger_name)
+    return dict(_set_now)

@@ -91,6 +91,7 @@ class _LoadWatcher(importlib.abc.MetaPathFinder):
     (``importlib.import_module``, a parent package, a submodule named in a ``from`` list)."""
 
     def find_spec(self, name, path=None, target=None):
+        _edges.setdefault(name, set())  # what its import imports is seen: never derived later
         importer = _importing(sys._getframe(1))
         if importer is None:
             _roots.add(name)
@@ -253,6 +254,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         # the zygote's __main__, also stashed under another name (multiprocessing's import
         # makes it __mp_main__, which unpickling a spawned worker's result imports)
         self.zygote_main = sys.modules.get("__main__")
+        self.detached: dict[str, tuple] = {}  # submodule -> (its package, the attribute)
         self.zygotes = dict(stash)  # every stashed module, handed back or not
         self.decided: dict[tuple, bool] = {}  # (top-level name, own path entries) -> shadowed
         self.listed: dict[tuple, set[str]] = {}  # own path entries -> the names they provide
@@ -328,8 +330,25 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             # a spawned worker's result of a class the script defines unpickles through it
             sys.modules["__mp_main__"] = sys.modules["__main__"]
             self.stash.pop("__mp_main__", None)
-        import_effects.bring_back(names)
+        self.detach_submodules(names)
+        self.start_env.update(import_effects.bring_back(names))  # set by the imports, not the step
         return sys.modules[name]
+
+    def detach_submodules(self, names: list[str]) -> None:
+        """A package holds as attributes only the submodules imported in the step (as a fresh
+        one does): ``from pkg import sub`` of one still stashed then imports it, which hands
+        it back and checks the variables it read (it got the zygote's module unchecked)."""
+        for member in names:
+            if member in self.detached:  # handed back now: the attribute its import sets
+                package, attr = self.detached.pop(member)
+                setattr(package, attr, sys.modules[member])
+        for member in names:
+            package = sys.modules[member]
+            if hasattr(package, "__path__"):
+                for attr, value in list(vars(package).items()):
+                    if self.stash.get(f"{member}.{attr}") is value:
+                        delattr(package, attr)
+                        self.detached[f"{member}.{attr}"] = (package, attr)
 
     def check_env(self, names: list[str]) -> None:
         """The step changed its environment: does a variable these modules read at import now

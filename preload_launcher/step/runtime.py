@@ -26,7 +26,7 @@ from .. import interpreter, mirroring, process_attrs, protocol
 from ..command import StepSpec
 from ..settings import Settings
 from ..zygote import deferral, threads
-from . import native_env, proc_view, program_exit
+from . import import_effects, native_env, proc_view, program_exit
 from .program_exit import exit_status_of
 
 __all__ = ["ZygoteState", "fork", "set_up", "keep_for_exit_report", "report_exit", "finish",
@@ -333,8 +333,9 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     start_env = dict(spec.env)
     os.environ.clear()
     os.environ.update(spec.env)
-    for key, value in state.env_set_by_preload.items():
-        os.environ.setdefault(key, value)
+    for key, value in state.env_set_by_preload.items():  # those no preloaded module's import
+        if key not in import_effects.env_set_by_modules:  # set (which arrive with it)
+            os.environ.setdefault(key, value)
     startup_locale = interpreter.apply_locale(coerce_c_locale)
     os.chdir(spec.cwd)
     reseed_random_generators()
