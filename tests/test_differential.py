@@ -248,3 +248,19 @@ def test_a_variable_a_preloaded_import_sets_arrives_with_that_import(tmp_path):
         assert ref.stdout.strip() == "[None, 'None', 'cache-of-sets-env']"
     finally:
         launcher.close()
+
+
+@pytest.mark.needs_torch
+def test_import_torch_brings_what_a_fresh_one_does(tmp_path):
+    """The zygote preloaded torch._dynamo: `import torch` in a step hands back torch's own
+    imports only (dynamo came too, through an edge a package's attributes made up)."""
+    from preload_launcher import Launcher
+    launcher = Launcher(["torch", "torch._dynamo"])
+    try:
+        args = [PY, program("torch_submodules.py")]
+        ref = plain(args, cwd=str(tmp_path))
+        got = launcher.run(args, cwd=str(tmp_path), timeout=300)
+        assert got.via == "zygote", got.reason
+        assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
+    finally:
+        launcher.close()
