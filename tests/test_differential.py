@@ -67,7 +67,9 @@ def test_python_options_are_applied(light):
 
 @pytest.mark.parametrize("how,code", [("ok", 0), ("code3", 3), ("message", 1), ("raise", 1),
                                       ("signal", -15), ("segv", -11), ("atexit", 0),
-                                      ("thread", 0), ("keyboard", -2), ("gc-callback", 0)])
+                                      ("thread", 0), ("keyboard", -2), ("gc-callback", 0),
+                                      ("hook-raises", 1), ("hook-none", 1), ("hook-missing", 1),
+                                      ("hook-exits", 7)])
 def test_exit_semantics_match(light, how, code):
     args = [PY, program("exits.py"), how]
     ref = plain(args)

@@ -21,7 +21,7 @@ from typing import Optional
 from .. import interpreter, protocol, settings
 from ..command import PythonTarget
 from ..zygote import deferral, learn
-from . import import_effects, module_table, runtime, script, stdio
+from . import import_effects, module_table, program_exit, runtime, script, stdio
 from .rerun import FreshRun
 
 __all__ = ["run_python_step"]
@@ -125,10 +125,10 @@ def run_target(target: PythonTarget) -> int:
     except BaseException as exc:
         # Drop this frame so the traceback reads as python's own.
         exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ else None
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        if isinstance(exc, KeyboardInterrupt):
+        status = program_exit.report_uncaught(exc)
+        if isinstance(exc, KeyboardInterrupt) and status == 1:
             return -signal.SIGINT
-        return 1
+        return status
 
 
 def start_coverage_if_requested() -> set[str]:

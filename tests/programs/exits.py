@@ -31,6 +31,20 @@ elif how == "gc-callback":  # python's collections at exit call no gc callback (
     gc.callbacks.append(lambda phase, info: time.perf_counter())
     cycle = []
     cycle.append(cycle)
+elif how.startswith("hook-"):  # an uncaught exception meets a broken or missing excepthook
+    atexit.register(lambda: print("atexit ran"))
+
+    def broken_hook(*exc_info):
+        raise ValueError("the hook broke")
+
+    def exiting_hook(*exc_info):
+        raise SystemExit(7)
+    if how == "hook-missing":
+        del sys.excepthook
+    else:
+        sys.excepthook = {"hook-raises": broken_hook, "hook-none": None,
+                          "hook-exits": exiting_hook}[how]
+    raise KeyError("the original")
 print("end")
 if how == "thread":
     main_done.set()  # the thread finishes after the main thread's end: python waits for it
