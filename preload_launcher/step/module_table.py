@@ -346,7 +346,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             package = sys.modules[member]
             if hasattr(package, "__path__"):
                 for attr, value in list(vars(package).items()):
-                    if self.stash.get(f"{member}.{attr}") is value:
+                    if isinstance(value, type(sys)) and self.stash.get(f"{member}.{attr}") is value:
                         delattr(package, attr)
                         self.detached[f"{member}.{attr}"] = (package, attr)
 

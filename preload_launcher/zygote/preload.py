@@ -16,6 +16,7 @@ learned modules it keeps importing while idle, and the image readied for forking
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -220,7 +221,9 @@ class Preloader:
         modules = [m for m in self.profile.to_preload(exclude=exclude)
                    if top_level(m) not in self.refused | self.blocker.packages]
         budget = self.config.learn_budget_s - self.learn_spent_s
-        with threads.preload_limits(), module_table.recording():  # as at start-up, while idle too
+        # as at start-up, while idle too (only for imports: entering the limits costs memory)
+        limits = threads.preload_limits() if modules else contextlib.nullcontext()
+        with limits, module_table.recording():
             summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker)
         self.profile.leave_to_steps(summary["guards_deferred"])  # not tried again later
         failed = summary.pop("failed_modules")
