@@ -11,7 +11,7 @@ In the zygote (``recording``): each registration a module's import makes is reco
 it was, against the module being imported, in the order made: ``warnings._add_filter`` (what
 ``filterwarnings`` and ``simplefilter`` call), ``atexit.register`` and ``os.environ[key] =``
 (inductor's ``TORCHINDUCTOR_CACHE_DIR``: a step that never imports it, and the processes it
-starts, must not have it; replayed as ``setdefault``, which a step's own value survives). A filter set inside a
+starts, must not have it; replayed unless the step has set it). A filter set inside a
 ``catch_warnings`` block goes to that block's own list (which the block discards) and is not
 recorded. In a step (``start_fresh``, before its own options apply): the filters are the
 zygote's before its preload (python's defaults and ``PYTHONWARNINGS``, on which a zygote and its
