@@ -344,11 +344,12 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 setattr(package, attr, sys.modules[member])
         for member in names:
             package = sys.modules[member]
-            if hasattr(package, "__path__"):
-                for attr, value in list(vars(package).items()):
-                    if isinstance(value, type(sys)) and self.stash.get(f"{member}.{attr}") is value:
+            if "__path__" in vars(package):  # no attribute lookup: a module's __getattr__ may
+                for attr, value in list(vars(package).items()):  # import or warn (torch's
+                    stashed = f"{member}.{attr}"  # deprecated names do), nor a look at values
+                    if stashed in self.stash and self.stash[stashed] is value:
                         delattr(package, attr)
-                        self.detached[f"{member}.{attr}"] = (package, attr)
+                        self.detached[stashed] = (package, attr)
 
     def check_env(self, names: list[str]) -> None:
         """The step changed its environment: does a variable these modules read at import now
