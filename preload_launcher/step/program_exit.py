@@ -36,38 +36,33 @@ def exit_status_of(exc: SystemExit) -> int:
     return 1
 
 
-def report_uncaught(exc: BaseException) -> tuple[int, bool]:
+def report_uncaught(exc: BaseException) -> int:
     """What python does with an exception that ends the program (``_PyErr_PrintEx``): hand it
     to ``sys.excepthook``; a hook that raises gets "Error in sys.excepthook:", its own error and
     the original; a missing one gets "sys.excepthook is missing"; a hook that raises
-    ``SystemExit`` sets the exit status. Returns the status and whether the hook exited."""
+    ``SystemExit`` sets the exit status. Returns the status (1 unless the hook exited)."""
     tb = exc.__traceback__
     hook = getattr(sys, "excepthook", _MISSING)
     if hook is _MISSING:
-        _say("sys.excepthook is missing")
+        print("sys.excepthook is missing", file=sys.stderr)
         sys.__excepthook__(type(exc), exc, tb)
-        return 1, False
+        return 1
     try:
         hook(type(exc), exc, tb)
     except SystemExit as hook_exit:
-        return exit_status_of(hook_exit), True
+        return exit_status_of(hook_exit)
     except BaseException as hook_error:  # its frames from the hook's own on, as python shows
         hook_error.with_traceback(hook_error.__traceback__.tb_next)  # not this frame
         if hook_error.__context__ is exc:  # python calls the hook outside any handler
             hook_error.__context__ = None
-        _say("Error in sys.excepthook:")
+        print("Error in sys.excepthook:", file=sys.stderr)
         sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
-        _say("\nOriginal exception was:")
+        print("\nOriginal exception was:", file=sys.stderr)
         sys.__excepthook__(type(exc), exc, tb)
-    return 1, False
+    return 1
 
 
 _MISSING = object()
-
-
-def _say(line: str) -> None:
-    if sys.stderr is not None:  # python writes nowhere without it
-        print(line, file=sys.stderr)
 
 
 def _report_flush_failure(name: str, stream, exc: BaseException) -> None:
