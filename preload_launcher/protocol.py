@@ -35,6 +35,7 @@ EOF before ``exit`` means the zygote died.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
@@ -87,9 +88,11 @@ def send_request(sock: socket.socket, request: dict, fds: list[int]) -> None:
         _check(request, "op", OPS)
     payload = json.dumps(request).encode("utf-8", "surrogatepass")
     data = HEADER.pack(len(payload)) + payload
-    sent = socket.send_fds(sock, [data[:FIRST_SEND]], fds)
+    # socket.send_fds, with the flags it takes but does not pass on (CPython up to 3.13)
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sent = sock.sendmsg([data[:FIRST_SEND]], rights, socket.MSG_NOSIGNAL)
     if sent < len(data):  # never send(b""): the zygote may have answered and closed already
-        sock.sendall(data[sent:])
+        sock.sendall(data[sent:], socket.MSG_NOSIGNAL)
 
 
 def _read_frame(sock: socket.socket, first: bytes) -> dict:
@@ -192,14 +195,16 @@ def _line(message: dict) -> bytes:
 
 
 def _write(sock_or_fd, data: bytes) -> None:
-    """Write a whole line; never raises on a vanished peer (the reader decides what EOF means)."""
+    """Write a whole line; never raises on a vanished peer (the reader decides what EOF means).
+    A socket's write raises no SIGPIPE either: a process relaying every signal (a stand-in, the
+    CLI) would relay its own SIGPIPE over the same dead connection, and again, without end."""
     try:
         if isinstance(sock_or_fd, int):
             view = memoryview(data)
             while view:
                 view = view[os.write(sock_or_fd, view):]
         else:
-            sock_or_fd.sendall(data)
+            sock_or_fd.sendall(data, socket.MSG_NOSIGNAL)
     except OSError:
         pass
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import struct
 
@@ -103,6 +104,24 @@ def test_sending_to_a_vanished_peer_does_not_raise(pair):
     b.close()
     protocol.send_event(a, "exit", returncode=0)
     protocol.send_op(a, "signal", signum=15)
+
+
+def test_sending_to_a_vanished_peer_raises_no_sigpipe(pair):
+    """A stand-in relays every signal it gets over its connection: a SIGPIPE of its own making
+    was relayed over the same dead connection until the recursion limit (a spawn pool's
+    worker, terminated as its program had just ended, printed that traceback)."""
+    a, b = pair
+    b.close()
+    got = []
+    before = signal.signal(signal.SIGPIPE, lambda signum, frame: got.append(signum))
+    try:
+        protocol.send_op(a, "signal", signum=15)
+        protocol.send_event(a, "exit", returncode=0)
+        with pytest.raises(OSError):  # a request's sender hears of it as an error only
+            protocol.send_request(a, {"op": "status"}, [])
+    finally:
+        signal.signal(signal.SIGPIPE, before)
+    assert got == []
 
 
 def test_every_event_the_package_sends_is_declared():
