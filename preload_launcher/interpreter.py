@@ -111,7 +111,8 @@ def import_env_mismatch(import_env: Mapping[str, Optional[str]], env: Mapping[st
     """The import-relevant variables whose value in ``env`` differs from a preload's
     (``preload.import_env``), and the start-up flags (``sys.flags.X``) a fresh interpreter
     would take otherwise from ``env``: a zygote serves only steps where this is empty. A
-    variable the preload's imports set themselves (unset before) may hold that value."""
+    variable the preload's imports set themselves (unset before), or read unset with one
+    default (``envreads.read_default``), may hold that value (``set_while_importing``)."""
     flags = FLAG_PREFIX
     set_by_imports = set_while_importing or {}
     return sorted([k for k, v in import_env.items()

@@ -266,3 +266,37 @@ def test_import_torch_brings_what_a_fresh_one_does(tmp_path):
         assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
     finally:
         launcher.close()
+
+
+def test_a_variable_read_with_a_default_may_hold_that_default(tmp_path):
+    """Megatron sets ``NVTE_FLASH_ATTN=1`` in a process that builds a model; Transformer Engine
+    read it unset at import as ``os.getenv("NVTE_FLASH_ATTN", "1")``: the same. Such a step is
+    served (every process a rank or test started after a model was built ran plainly); one
+    holding another value, or a variable a read could tell from unset, is not, as before."""
+    from preload_launcher import Launcher
+    site = os.path.join(os.path.dirname(program("observe.py")), "site_defaults")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEFAULTS_")}
+    env["PYTHONPATH"] = site
+    launcher = Launcher(["json", "reads_defaults"])
+    try:
+        launcher.prestart(env)
+        # (the step's environment, what it sets before the import) -> served by the same zygote
+        for extra, sets, served in (({"DEFAULTS_FLASH": "1"}, [], True),
+                                    ({"DEFAULTS_FLASH": "0"}, [], False),
+                                    ({"DEFAULTS_STRICT": "1"}, [], False),
+                                    ({}, ["DEFAULTS_FLASH=1"], True),
+                                    ({}, ["DEFAULTS_FLASH=0"], False),
+                                    ({}, ["DEFAULTS_STRICT=1"], False)):
+            args = [PY, program("read_defaults.py"), *sets]
+            step_env = dict(env, **extra)
+            ref = plain(args, cwd=str(tmp_path), env=step_env)
+            got = launcher.run(args, cwd=str(tmp_path), env=step_env)
+            assert ref.returncode == 0, ref.stdout
+            assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout), (extra, sets)
+            same_zygote = len(launcher.zygotes) == 1
+            forked = got.via == "zygote"
+            assert (same_zygote and forked) == served, (extra, sets, got.via, got.reason)
+            if not same_zygote:  # started for this environment; the next case starts over
+                launcher.zygotes.pop().close()
+    finally:
+        launcher.close()

@@ -360,7 +360,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 now = env_value(os.environ, key)
                 # A scanned family the zygote saw otherwise: learned after its start, no
                 # zygote was chosen for it (``preload``), so the step's own start counts too.
-                if now != env_value(self.start_env, key) or (
+                if not envreads.same_to_readers(key, now, env_value(self.start_env, key)) or (
                         key in _reads.get(member, {}) and key.endswith("*") and now != seen):
                     changed.setdefault(key, member)
         if changed:

@@ -1,6 +1,12 @@
 """Which environment variables imports read: the preload's as a whole (a zygote serves only
 steps whose environment agrees with it on those, ``interpreter.import_env_mismatch``), and each
 module's own (``module_table``: a step that changes one before importing the module runs fresh).
+
+A variable that was unset, and that every read took with the same default
+(``os.getenv("NVTE_FLASH_ATTN", "1")``), gave its readers that default: a step holding exactly
+that value reads the same (``read_default``). One read that could tell unset from the default
+(``[]``, ``in``, a default of None or another) ends that for the variable, in this process and
+every process forked from it after.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ import contextlib
 import os
 from typing import Callable, Iterator, Optional
 
-__all__ = ["recording_env_reads", "reporting_reads"]
+from ..settings import IMPORT_ENV_KEYS, NATIVE_ENV, THREAD_ENV
+
+__all__ = ["read_default", "recording_env_reads", "reporting_reads", "same_to_readers"]
 
 
 class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
@@ -21,6 +29,9 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
     ``PYTEST_CURRENT_TEST``, would look import-relevant."""
 
     read_keys: set = set()
+    defaults: dict = {}  # an unset variable -> the one default every read of it took
+    tellers: set = set()  # unset variables a read could tell from any default
+    _getting = False  # inside ``get``: an unset key's read is not a teller yet
     on_read: Optional[Callable[[str, Optional[str]], None]] = None  # (key, value) per read
     on_scan: Optional[Callable[[], None]] = None  # per scan of the whole environment
     _scan: collections.deque = collections.deque()  # keys a scan is about to read, in order
@@ -47,8 +58,47 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
             if _RecordingEnviron.on_read is not None:
                 _RecordingEnviron.on_read(key, value)
         if value is None:
+            if isinstance(key, str) and not _RecordingEnviron._getting:
+                _RecordingEnviron.tellers.add(key)
             raise KeyError(key)
         return value
+
+    def get(self, key, default=None):
+        _RecordingEnviron._getting = True
+        try:
+            return self[key]
+        except KeyError:
+            if isinstance(key, str):
+                seen = _RecordingEnviron.defaults.setdefault(key, default)
+                if not isinstance(default, str) or seen != default:
+                    _RecordingEnviron.tellers.add(key)
+            return default
+        finally:
+            _RecordingEnviron._getting = False
+
+
+def read_default(key: str) -> Optional[str]:
+    """The value a step may hold for ``key`` where the recorded imports saw it unset: the one
+    default all their reads took, if none could tell the difference; else None. Never for a
+    variable native code also reads (python's own, the C library's, ``settings.NATIVE_ENV``):
+    ``getenv`` in C has no default to agree with."""
+    if key in _RecordingEnviron.tellers or _read_natively(key):
+        return None
+    return _RecordingEnviron.defaults.get(key)
+
+
+def _read_natively(key: str) -> bool:
+    return key in IMPORT_ENV_KEYS or key in THREAD_ENV or key in ("TZ", "LANG", "LANGUAGE") \
+        or key.startswith(("PYTHON", "LC_")) \
+        or any(key.startswith(family[:-1]) for family in NATIVE_ENV if family.endswith("*")) \
+        or key in NATIVE_ENV
+
+
+def same_to_readers(key: str, a: Optional[str], b: Optional[str]) -> bool:
+    """Whether the recorded reads of ``key`` get the same from the values ``a`` and ``b``
+    (None: unset)."""
+    default = read_default(key)
+    return a == b or default is not None and {a, b} <= {None, default}
 
 
 @contextlib.contextmanager

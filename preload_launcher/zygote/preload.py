@@ -33,7 +33,7 @@ from .crashes import CrashGuard, collect_crashes
 from .culprits import EntryReport, is_dirty, verdict_for, verdict_key
 from .deferral import Blocker, top_level
 from .entries import PreloadReport, preload, preload_learned
-from .envreads import recording_env_reads
+from .envreads import read_default, recording_env_reads
 from .profiles import read_profile
 from .staleness import StalenessWatch
 from .verdicts import DEFER, LEARNED, SCOUTED, VerdictCache, package_fingerprint
@@ -160,10 +160,11 @@ class Preloader:
         # A variable, or a family (``X*``) of them, that the imports set where the start had
         # none: a step may hold what they left (its caller's own imports set the same).
         left = {**self.start_env, **set_by_imports}
-        report.set_while_importing = {
-            k: interpreter.env_value(left, k) for k in report.import_env
-            if interpreter.env_value(self.start_env, k) is None
-            and interpreter.env_value(left, k) is not None}
+        # One they read unset, every read with the same default: a step may hold that default.
+        unset = [k for k in report.import_env if interpreter.env_value(self.start_env, k) is None]
+        may_hold = {k: interpreter.env_value(left, k) for k in unset}
+        may_hold.update({k: read_default(k) for k in unset if may_hold[k] is None})
+        report.set_while_importing = {k: v for k, v in may_hold.items() if v is not None}
 
     def should_scout(self, module: str) -> bool:
         """Scout an entry never seen on this package set, where culprits can be seen at all."""

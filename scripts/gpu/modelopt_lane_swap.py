@@ -12,7 +12,8 @@ log). Nothing of the suite's files is edited. Every way also times the suite's w
 (``_test_utils.torch.distributed.utils.DistributedWorkerPool``: its start, until every rank said
 ready, and its shutdown), logged as steps of the test whose fixture made the pool. With any other ``MODELOPT_LANE_WAY`` (subprocess,
 suite, forked) the suite's own function stays and is only timed. Each step is appended as one JSON line to
-``$MODELOPT_LANE_STEPS`` (if set): the way, the test, the command, how it ran and why, seconds.
+``$MODELOPT_LANE_STEPS`` (if set): the way, the test, the command, how it ran and why, seconds;
+each test phase (setup, call, teardown) to ``<way>-phases.jsonl`` beside it.
 """
 
 from __future__ import annotations
@@ -100,3 +101,15 @@ def pytest_configure(config) -> None:
         module._run_capturing = _timed(module._run_capturing)
     else:
         module._run_capturing = _run_capturing
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each test phase's time as it ends, beside the steps (``<way>-phases.jsonl``): a session
+    stopped at its limit writes no junit report, and this says where its time went."""
+    path = os.environ.get("MODELOPT_LANE_STEPS")
+    if path:
+        way = os.environ.get("MODELOPT_LANE_WAY", "launcher")
+        row = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+               "seconds": round(report.duration, 2), "ended": round(time.time(), 1)}
+        with open(os.path.join(os.path.dirname(path), f"{way}-phases.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
