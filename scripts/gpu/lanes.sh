@@ -9,8 +9,8 @@
 #          bash scripts/gpu/lanes.sh prepare-nvrx NVRX_GIT_DIR   # + nvidia-resiliency-ext 0.6.0
 #          bash scripts/gpu/lanes.sh prepare-apex APEX_GIT_DIR 25.09   # .apex: apex's wgrad extension's sources
 #   there: bash scripts/gpu/lanes.sh setup [ext] [te] [apex] [captured] [native-env] [nodes] [lane NAME LANES ARGS...] ...
-#          the first call carries .whl .modelopt .te/parts/core.00, each later call one more part
-#          (the second also .whl-tools: py-spy), the sixth core.05, .whl-bridge, .te/build and .apex (a call
+#          the first call carries .whl .modelopt .te/parts/core.00, each later call one more part,
+#          the sixth core.05, .whl-bridge, .te/build, .apex and .whl-tools (py-spy) (a call
 #          carries 64 MiB with the checkout); `te` (once every part is there) joins, installs and
 #          builds Transformer Engine. (.whl, .whl-tools, .whl-bridge, .te, .modelopt: in .git/info/exclude.)
 #
