@@ -300,3 +300,21 @@ def test_a_variable_read_with_a_default_may_hold_that_default(tmp_path):
                 launcher.zygotes.pop().close()
     finally:
         launcher.close()
+
+
+def test_a_packages_own_binding_survives_a_submodule_of_that_name(tmp_path):
+    """bound_pkg.sub is a function until something imports bound_pkg.sub (then the module):
+    a step that imports only the package sees the function, as a fresh one does."""
+    from preload_launcher import Launcher
+    site = os.path.join(os.path.dirname(program("observe.py")), "site_lazy")
+    env = dict(os.environ, PYTHONPATH=site)
+    code = ("import bound_pkg\nprint(type(bound_pkg.sub).__name__)\nimport bound_pkg.sub\n"
+            "print(type(bound_pkg.sub).__name__)\n")
+    launcher = Launcher(["json", "bound_pkg", "imports_bound_sub"])
+    try:
+        ref = plain([PY, "-c", code], cwd=str(tmp_path), env=env)
+        got = launcher.run([PY, "-c", code], cwd=str(tmp_path), env=env)
+        assert got.via == "zygote", got.reason
+        assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout) == (0, "function\nmodule\n")
+    finally:
+        launcher.close()

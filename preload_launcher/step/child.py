@@ -125,10 +125,12 @@ def run_target(target: PythonTarget) -> int:
     except BaseException as exc:
         # Drop this frame so the traceback reads as python's own.
         exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ else None
-        status = program_exit.report_uncaught(exc)
-        if isinstance(exc, KeyboardInterrupt) and status == 1:
-            return -signal.SIGINT
-        return status
+        uncaught = exc
+    # python hands it to sys.excepthook with no exception being handled
+    status, hook_exited = program_exit.report_uncaught(uncaught)
+    if isinstance(uncaught, KeyboardInterrupt) and not hook_exited:
+        return -signal.SIGINT
+    return status
 
 
 def start_coverage_if_requested() -> set[str]:

@@ -195,6 +195,8 @@ def _hide_loggers() -> None:
         for item in list(_manager.loggerDict.values()):
             if isinstance(item, logging.Logger) and _hidden.get(item.parent.name) is item.parent:
                 _manager._fixupParents(item)  # type: ignore[attr-defined]
+        # levels the loggers worked out under their old parents
+        _manager._clear_cache()  # type: ignore[attr-defined]
     _manager.getLogger = _revealing_get_logger
 
 
@@ -215,7 +217,8 @@ def _reveal(name: str) -> None:
         if isinstance(placeholder, logging.PlaceHolder):
             _manager._fixupChildren(placeholder, logger)  # type: ignore[attr-defined]
         _manager._fixupParents(logger)  # type: ignore[attr-defined]
-        logger._cache.clear()  # type: ignore[attr-defined]
+        # its children's levels now go through it (and what its import set on it)
+        _manager._clear_cache()  # type: ignore[attr-defined]
 
 
 def bring_back(names: list[str]) -> dict[str, str]:

@@ -10,7 +10,8 @@ In a step (``start_fresh``): every module a fresh interpreter lacks at start-up 
 ``sys.modules`` for a stash, and a finder first on ``sys.meta_path`` hands a stashed module back
 when the step imports it, with its closure: what its import imported in the zygote, so
 ``sys.modules`` after ``import transformers`` holds what a fresh ``import transformers`` leaves
-(``importlib.util.find_spec`` finds it, and hands nothing back). Before handing back:
+(``importlib.util.find_spec`` finds it, and hands nothing back); a package handed back holds
+no stashed submodule as an attribute (``detach_submodules``). Before handing back:
 
 - the step's own modules win: a top-level name the step's own path entries provide another
   file for is not handed back, and the step's import finds its file (``shadowing``);
@@ -92,6 +93,9 @@ class _LoadWatcher(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name, path=None, target=None):
         _edges.setdefault(name, set())  # what its import imports is seen: never derived later
+        parent, _, attr = name.rpartition(".")  # what its package held under its name before
+        if attr in getattr(sys.modules.get(parent), "__dict__", {}) and name not in _held:
+            _held[name] = vars(sys.modules[parent])[attr]
         importer = _importing(sys._getframe(1))
         if importer is None:
             _roots.add(name)
@@ -236,6 +240,7 @@ def _prepare() -> None:
 # ---------------------------------------------------------------- in a step
 
 _attached: dict[str, set[str]] = {}  # importer -> what a step's eager replay imported for it
+_held: dict[str, object] = {}  # submodule -> its package's attribute of that name before it
 
 
 def attach(importers: list[str], names: set[str]) -> None:
@@ -251,9 +256,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, stash: dict, start_env: dict[str, str],
                  on_changed: Callable[[dict[str, str]], None]) -> None:
         self.stash = stash  # what is still to hand back
-        # the zygote's __main__, also stashed under another name (multiprocessing's import
-        # makes it __mp_main__, which unpickling a spawned worker's result imports)
-        self.zygote_main = sys.modules.get("__main__")
+        self.zygote_main = sys.modules.get("__main__")  # stashed as __mp_main__ too
         self.detached: dict[str, tuple] = {}  # submodule -> (its package, the attribute)
         self.zygotes = dict(stash)  # every stashed module, handed back or not
         self.decided: dict[tuple, bool] = {}  # (top-level name, own path entries) -> shadowed
@@ -326,8 +329,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             # the zygote's __main__ is never a step's module: an alias of it is the step's own
             sys.modules[member] = sys.modules["__main__"] if module is self.zygote_main else module
         if "multiprocessing" in names and "__main__" in sys.modules:
-            # what its import does (multiprocessing/__init__.py), with the step's __main__:
-            # a spawned worker's result of a class the script defines unpickles through it
+            # its import's own line, with the step's __main__ (a spawn pool's results need it)
             sys.modules["__mp_main__"] = sys.modules["__main__"]
             self.stash.pop("__mp_main__", None)
         self.detach_submodules(names)
@@ -335,9 +337,8 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return sys.modules[name]
 
     def detach_submodules(self, names: list[str]) -> None:
-        """A package holds as attributes only the submodules imported in the step (as a fresh
-        one does): ``from pkg import sub`` of one still stashed then imports it, which hands
-        it back and checks the variables it read (it got the zygote's module unchecked)."""
+        """A package holds as attributes only the submodules imported in the step: ``from pkg
+        import sub`` of a stashed one imports it then, checking the variables it read."""
         for member in names:
             if member in self.detached:  # handed back now: the attribute its import sets
                 package, attr = self.detached.pop(member)
@@ -348,7 +349,9 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 for attr, value in list(vars(package).items()):  # import or warn (torch's
                     stashed = f"{member}.{attr}"  # deprecated names do), nor a look at values
                     if stashed in self.stash and self.stash[stashed] is value:
-                        delattr(package, attr)
+                        del vars(package)[attr]  # or what it held before: a function, say
+                        if stashed in _held:
+                            setattr(package, attr, _held[stashed])
                         self.detached[stashed] = (package, attr)
 
     def check_env(self, names: list[str]) -> None:

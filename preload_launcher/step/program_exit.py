@@ -36,33 +36,38 @@ def exit_status_of(exc: SystemExit) -> int:
     return 1
 
 
-def report_uncaught(exc: BaseException) -> int:
+def report_uncaught(exc: BaseException) -> tuple[int, bool]:
     """What python does with an exception that ends the program (``_PyErr_PrintEx``): hand it
     to ``sys.excepthook``; a hook that raises gets "Error in sys.excepthook:", its own error and
     the original; a missing one gets "sys.excepthook is missing"; a hook that raises
-    ``SystemExit`` sets the exit status. Returns the status (1 unless the hook exited)."""
+    ``SystemExit`` sets the exit status. Returns the status and whether the hook exited."""
     tb = exc.__traceback__
     hook = getattr(sys, "excepthook", _MISSING)
     if hook is _MISSING:
-        print("sys.excepthook is missing", file=sys.stderr)
+        _say("sys.excepthook is missing")
         sys.__excepthook__(type(exc), exc, tb)
-        return 1
+        return 1, False
     try:
         hook(type(exc), exc, tb)
     except SystemExit as hook_exit:
-        return exit_status_of(hook_exit)
+        return exit_status_of(hook_exit), True
     except BaseException as hook_error:  # its frames from the hook's own on, as python shows
         hook_error.with_traceback(hook_error.__traceback__.tb_next)  # not this frame
         if hook_error.__context__ is exc:  # python calls the hook outside any handler
             hook_error.__context__ = None
-        print("Error in sys.excepthook:", file=sys.stderr)
+        _say("Error in sys.excepthook:")
         sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
-        print("\nOriginal exception was:", file=sys.stderr)
+        _say("\nOriginal exception was:")
         sys.__excepthook__(type(exc), exc, tb)
-    return 1
+    return 1, False
 
 
 _MISSING = object()
+
+
+def _say(line: str) -> None:
+    if sys.stderr is not None:  # python writes nowhere without it
+        print(line, file=sys.stderr)
 
 
 def _report_flush_failure(name: str, stream, exc: BaseException) -> None:

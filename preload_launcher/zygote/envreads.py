@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 from typing import Callable, Iterator, Optional
 
 from ..settings import IMPORT_ENV_KEYS, NATIVE_ENV, THREAD_ENV
@@ -31,7 +32,7 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
     read_keys: set = set()
     defaults: dict = {}  # an unset variable -> the one default every read of it took
     tellers: set = set()  # unset variables a read could tell from any default
-    _getting = False  # inside ``get``: an unset key's read is not a teller yet
+    _getting = threading.local()  # inside ``get`` (this thread): not a teller yet
     on_read: Optional[Callable[[str, Optional[str]], None]] = None  # (key, value) per read
     on_scan: Optional[Callable[[], None]] = None  # per scan of the whole environment
     _scan: collections.deque = collections.deque()  # keys a scan is about to read, in order
@@ -58,13 +59,13 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
             if _RecordingEnviron.on_read is not None:
                 _RecordingEnviron.on_read(key, value)
         if value is None:
-            if isinstance(key, str) and not _RecordingEnviron._getting:
+            if isinstance(key, str) and not getattr(_RecordingEnviron._getting, "on", False):
                 _RecordingEnviron.tellers.add(key)
             raise KeyError(key)
         return value
 
     def get(self, key, default=None):
-        _RecordingEnviron._getting = True
+        _RecordingEnviron._getting.on = True
         try:
             return self[key]
         except KeyError:
@@ -74,7 +75,7 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
                     _RecordingEnviron.tellers.add(key)
             return default
         finally:
-            _RecordingEnviron._getting = False
+            _RecordingEnviron._getting.on = False
 
 
 def read_default(key: str) -> Optional[str]:

@@ -167,8 +167,7 @@ class FreshCounts:
                 if self.libraries:
                     probe = _start_probe(_without_thread_env(os.environ), None, False,
                                          self.libraries)
-                    out, _ = probe.communicate(timeout=120)
-                    pools = json.loads(out.splitlines()[-1])[2]
+                    pools = (_answer(probe) or [None, None, {}])[2]  # none: left as they are
                 self.known[key_of({})] = [*self.defaults, pools]
 
     def _complete(self, key: str) -> bool:
@@ -232,13 +231,17 @@ def _counts_here(table: dict[str, list], cpus: Optional[list[int]]) -> Optional[
     torch = "torch" in sys.modules
     if not torch and not _pools:
         return None
-    probe = _start_probe(os.environ, None, torch, sorted(_pools))
+    # no answer (this interpreter cannot import torch: neither could the program): the
+    # program's own start then fails or decides as it would have
+    return _answer(_start_probe(os.environ, None, torch, sorted(_pools)))
+
+
+def _answer(probe: subprocess.Popen) -> Optional[list]:
+    """A probe's counts; None (the probe ended) where it gives none within two minutes."""
     try:
         out, _ = probe.communicate(timeout=120)
         return json.loads(out.splitlines()[-1])
     except (subprocess.TimeoutExpired, IndexError, ValueError):
-        # no answer (this interpreter cannot import torch: neither could the program): the
-        # program's own start then fails or decides as it would have
         probe.kill()
         probe.wait()
         return None

@@ -189,14 +189,17 @@ def test_concurrent_steps_from_several_processes_share_a_daemon(runtime_base):
 
 
 def test_thousand_sequential_steps_keep_zygote_memory_and_fds_flat():
+    # Learning off: modules earlier tests' steps imported (this project's learned profile)
+    # would be imported while idle here, and grow the zygote by design, not by a leak.
+    env = dict(os.environ, PRELOAD_LAUNCHER_LEARN="0")
     launcher = Launcher(["json"])
     try:
         for _ in range(50):
-            launcher.run([PY, "-c", "print('x')"])
+            launcher.run([PY, "-c", "print('x')"], env=env)
         zygote = launcher.zygotes[0]
         rss, fds = zygote_rss_kb(zygote), zygote_fds(zygote)
         for i in range(1000):
-            r = launcher.run([PY, "-c", "print('x')"])
+            r = launcher.run([PY, "-c", "print('x')"], env=env)
             assert r.returncode == 0
         assert zygote_fds(zygote) == fds
         assert zygote_rss_kb(zygote) - rss < 2048, (rss, zygote_rss_kb(zygote))
