@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fnmatch
 import os
 import threading
 from typing import Callable, Iterator, Optional
 
 from ..settings import IMPORT_ENV_KEYS, NATIVE_ENV, THREAD_ENV
+from ..step.native_env import REREAD
 
 __all__ = ["read_default", "recording_env_reads", "reporting_reads", "same_to_readers"]
 
@@ -88,18 +90,23 @@ def read_default(key: str) -> Optional[str]:
     return _RecordingEnviron.defaults.get(key)
 
 
+# What native code reads: python's start-up and the loader, the locale, the thread pools, the
+# libraries' own (``settings.NATIVE_ENV``, families as ``X*``), those a step reads again.
+_NATIVE_PATTERNS = (*IMPORT_ENV_KEYS, "PYTHON*", "LC_*", "LANG", "LANGUAGE", *THREAD_ENV,
+                    *NATIVE_ENV, *REREAD)
+
+
 def _read_natively(key: str) -> bool:
-    return key in IMPORT_ENV_KEYS or key in THREAD_ENV or key in ("TZ", "LANG", "LANGUAGE") \
-        or key.startswith(("PYTHON", "LC_")) \
-        or any(key.startswith(family[:-1]) for family in NATIVE_ENV if family.endswith("*")) \
-        or key in NATIVE_ENV
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in _NATIVE_PATTERNS)
 
 
 def same_to_readers(key: str, a: Optional[str], b: Optional[str]) -> bool:
     """Whether the recorded reads of ``key`` get the same from the values ``a`` and ``b``
     (None: unset)."""
+    if a == b:
+        return True
     default = read_default(key)
-    return a == b or default is not None and {a, b} <= {None, default}
+    return default is not None and {a, b} <= {None, default}
 
 
 @contextlib.contextmanager
