@@ -366,7 +366,7 @@ def ext_line(args) -> str:
     if args.torch_extensions:
         built = sorted(os.listdir(args.torch_extensions)) if os.path.isdir(args.torch_extensions) else []
         return f"{args.torch_extensions}, shared, holding {', '.join(built) or 'nothing'} at the start"
-    return "torch's default"
+    return "torch's default"  # (--torch-extensions '': every way shares torch's own folder)
 
 
 def gpu_line() -> str:
@@ -420,9 +420,12 @@ def main() -> None:
                         help="SCRIPT:DELAY:SECONDS: py-spy samples the first process of each "
                              "session that runs SCRIPT (not one passing it on), from DELAY s after it "
                              "appears, for SECONDS s (<way>-profile.txt; the report's top frames)")
-    parser.add_argument("--torch-extensions", default="",
+    # The default gives every way the same start: torch's own folder, shared, made the later way
+    # find what the earlier one built (2026-12-05: the pools' suite session paid 227 s of builds
+    # in its first fixture, the subprocess session after it none).
+    parser.add_argument("--torch-extensions", default="fresh",
                         help="TORCH_EXTENSIONS_DIR for every way: a pre-built folder, or 'fresh' "
-                             "(an empty one per way); default: torch's own")
+                             "(an empty one per way, the default)")
     parser.add_argument("--poison", action="store_true",
                         help=f"copy scripts/gpu/pool_poison.py to {POISON} in the checkout")
     parser.add_argument("--merge", default="",
