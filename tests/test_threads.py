@@ -92,3 +92,26 @@ def test_doctor_says_what_each_native_thread_is(torch_launcher):
     assert rows[0]["what"] == "the zygote's main thread"
     assert sum(r["count"] for r in rows) == sum(zygote.request("status")["native_threads"].values())
     assert all(r["fork_safe"] for r in rows)
+
+
+def test_a_probe_without_an_answer_leaves_the_counts_to_the_step(tmp_path, monkeypatch):
+    """A fresh interpreter that gives the zygote no answer (it died, or ran past its two
+    minutes) is no table entry and no error in the zygote: the step then asks one itself, as
+    for counts the zygote could not foresee, and gets a fresh interpreter's."""
+    import subprocess
+
+    import torch  # noqa: F401  (the step's own torch: it sizes torch's pools)
+
+    from preload_launcher.zygote import threads
+
+    def silent(*args, **kwargs):
+        return subprocess.Popen([PY, "-c", "pass"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, text=True)
+
+    monkeypatch.setattr(threads, "_start_probe", silent)
+    fresh = threads.FreshCounts(str(tmp_path / "counts.json"), [3, 3])
+    assert fresh.table_for({}, multi_rank=True) == {}
+    monkeypatch.undo()
+    intra, inter, _ = threads._counts_here({}, None)
+    ref = plain([PY, "-c", COUNTS], timeout=120)
+    assert [intra, inter] == [int(n) for n in ref.stdout.split()[:2]], ref.stdout

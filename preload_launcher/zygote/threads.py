@@ -183,14 +183,18 @@ class FreshCounts:
                          **{k: env[k] for k in THREAD_ENV if k in env}}
             self.probes[key] = _start_probe(probe_env, cpus, self.torch, self.libraries)
 
-    def for_env(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> list:
+    def for_env(self, env: Mapping[str, str], cpus: Optional[list[int]] = None) -> Optional[list]:
+        """The counts for ``env``; None where the probe gave no answer (nothing is kept: the
+        step asks a fresh interpreter itself, ``_counts_here``)."""
         key = key_of(env, cpus)
         if not self.torch and not self.libraries:
             return [None, None, {}]  # nothing here sizes a pool from the environment
         if not self._complete(key):
             self.ask_ahead(env, cpus)
-            out, _ = self.probes.pop(key).communicate(timeout=120)
-            self.known[key] = json.loads(out.splitlines()[-1])
+            counts = _answer(self.probes.pop(key))
+            if counts is None:
+                return None
+            self.known[key] = counts
             save_json(self.path, {k: v for k, v in self.known.items() if k != key_of({})})
         return self.known[key]
 
@@ -201,7 +205,8 @@ class FreshCounts:
         self.refresh()
         envs = [env] + ([{**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}]
                         if multi_rank else [])
-        return {key_of(e, cpus): self.for_env(e, cpus) for e in envs}
+        counts = {key_of(e, cpus): self.for_env(e, cpus) for e in envs}
+        return {key: value for key, value in counts.items() if value is not None}
 
 
 def _without_thread_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -226,8 +231,6 @@ def _counts_here(table: dict[str, list], cpus: Optional[list[int]]) -> Optional[
     for key in (key_of(os.environ, cpus), key_of(os.environ, here)):
         if key in table:
             return table[key]
-    if not table:
-        return None  # the zygote sized nothing (no torch, no pool library)
     torch = "torch" in sys.modules
     if not torch and not _pools:
         return None
