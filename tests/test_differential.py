@@ -233,13 +233,17 @@ def test_a_submodule_the_step_has_not_imported_is_no_attribute_of_its_package(tm
         launcher.close()
 
 
-def test_a_variable_a_preloaded_import_sets_arrives_with_that_import(tmp_path):
+@pytest.mark.parametrize("own", [None, "the-callers-own"])
+def test_a_variable_a_preloaded_import_sets_arrives_with_that_import(tmp_path, own):
     """Before the step imports the module, neither it nor a process it starts has the variable
-    (both had it from the step's first line)."""
+    (both had it from the step's first line); the import replaces a value the environment
+    gave, as it does in a fresh interpreter (the step kept its own)."""
     from preload_launcher import Launcher
     site = os.path.join(os.path.dirname(program("observe.py")), "site_env")
     env = dict(os.environ, PYTHONPATH=site)
     env.pop("SETS_ENV_CACHE", None)
+    if own is not None:
+        env["SETS_ENV_CACHE"] = own
     launcher = Launcher(["json", "sets_env"])
     try:
         args = [PY, program("env_set_at_import.py")]
@@ -247,7 +251,7 @@ def test_a_variable_a_preloaded_import_sets_arrives_with_that_import(tmp_path):
         got = launcher.run(args, cwd=str(tmp_path), env=env)
         assert got.via == "zygote", got.reason
         assert (got.returncode, got.stdout) == (ref.returncode, ref.stdout)
-        assert ref.stdout.strip() == "[None, 'None', 'cache-of-sets-env']"
+        assert ref.stdout.strip() == f"[{own!r}, '{own}', 'cache-of-sets-env']"
     finally:
         launcher.close()
 
@@ -272,7 +276,8 @@ def test_a_variable_read_with_a_default_may_hold_that_default(tmp_path):
     """Megatron sets ``NVTE_FLASH_ATTN=1`` in a process that builds a model; Transformer Engine
     read it unset at import as ``os.getenv("NVTE_FLASH_ATTN", "1")``: the same. Such a step is
     served (every process a rank or test started after a model was built ran plainly); one
-    holding another value, or a variable a read could tell from unset, is not, as before."""
+    holding another value, a variable a read could tell from unset, or one the import itself
+    sets after reading it, is not, as before."""
     from preload_launcher import Launcher
     site = os.path.join(os.path.dirname(program("observe.py")), "site_defaults")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEFAULTS_")}
@@ -286,7 +291,10 @@ def test_a_variable_read_with_a_default_may_hold_that_default(tmp_path):
                                     ({"DEFAULTS_STRICT": "1"}, [], False),
                                     ({}, ["DEFAULTS_FLASH=1"], True),
                                     ({}, ["DEFAULTS_FLASH=0"], False),
-                                    ({}, ["DEFAULTS_STRICT=1"], False)):
+                                    ({}, ["DEFAULTS_STRICT=1"], False),
+                                    # read with its default, then set by the import itself
+                                    ({"DEFAULTS_OVERRIDDEN": "1"}, [], False),
+                                    ({}, ["DEFAULTS_OVERRIDDEN=1"], False)):
             args = [PY, program("read_defaults.py"), *sets]
             step_env = dict(env, **extra)
             ref = plain(args, cwd=str(tmp_path), env=step_env)

@@ -113,10 +113,14 @@ def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
     set_item = environ_type.__setitem__
 
     def recording_set_item(environ, key, value):
+        # Whether it replaced a value: looked up in the mapping's own store, which is no read
+        # of the variable (``in`` would be one, ``envreads``).
+        replaced = environ is os.environ and environ.encodekey(key) in environ._data
         set_item(environ, key, value)
         module = importing(sys._getframe(1)) if environ is os.environ else None
         if module is not None:
-            _calls.setdefault(module, []).append((next(_sequence), _set_env, (key, value), {}))
+            _calls.setdefault(module, []).append(
+                (next(_sequence), _set_env, (key, value, replaced), {}))
             env_set_by_modules.add(key)
 
     warnings._add_filter = recording_add_filter  # type: ignore[attr-defined]
@@ -139,8 +143,12 @@ def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
 _set_now: dict[str, str] = {}  # what the replay in progress set
 
 
-def _set_env(key: str, value: str) -> None:
-    if key not in os.environ:  # the step's own value stands
+def _set_env(key: str, value: str, replaced: bool = False) -> None:
+    """An import's ``os.environ[key] = value`` again. One that replaced a value in the zygote
+    replaces the step's too, as it does in a fresh interpreter; one that filled an unset
+    variable leaves a value of the step's own (it may have been ``setdefault``, or a test the
+    recording could not see)."""
+    if replaced or key not in os.environ:
         os.environ[key] = _set_now[key] = value
 
 

@@ -2,11 +2,12 @@
 steps whose environment agrees with it on those, ``interpreter.import_env_mismatch``), and each
 module's own (``module_table``: a step that changes one before importing the module runs fresh).
 
-A variable that was unset, and that every read took with the same default
+A variable that stayed unset, and that every read took with the same default
 (``os.getenv("NVTE_FLASH_ATTN", "1")``), gave its readers that default: a step holding exactly
 that value reads the same (``read_default``). One read that could tell unset from the default
-(``[]``, ``in``, a default of None or another) ends that for the variable, in this process and
-every process forked from it after.
+(``[]``, ``in``, a default of None or another), one that found it set, or an import that set or
+deleted it ends that for the variable, in this process and every process forked from it after:
+a step holding the default would then read, or be left with, what a fresh interpreter is not.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
 
     read_keys: set = set()
     defaults: dict = {}  # an unset variable -> the one default every read of it took
-    tellers: set = set()  # unset variables a read could tell from any default
+    tellers: set = set()  # variables no default stands for (a read could tell, it was set)
     _getting = threading.local()  # inside ``get`` (this thread): not a teller yet
     on_read: Optional[Callable[[str, Optional[str]], None]] = None  # (key, value) per read
     on_scan: Optional[Callable[[], None]] = None  # per scan of the whole environment
@@ -60,11 +61,21 @@ class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
             _RecordingEnviron.read_keys.add(key)
             if _RecordingEnviron.on_read is not None:
                 _RecordingEnviron.on_read(key, value)
+            if value is not None or not getattr(_RecordingEnviron._getting, "on", False):
+                _RecordingEnviron.tellers.add(key)  # found set, or told apart from unset
         if value is None:
-            if isinstance(key, str) and not getattr(_RecordingEnviron._getting, "on", False):
-                _RecordingEnviron.tellers.add(key)
             raise KeyError(key)
         return value
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if isinstance(key, str):  # what was read before or after is not what a default gives
+            _RecordingEnviron.tellers.add(key)
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        if isinstance(key, str):
+            _RecordingEnviron.tellers.add(key)
 
     def get(self, key, default=None):
         _RecordingEnviron._getting.on = True
