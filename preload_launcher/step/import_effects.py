@@ -113,11 +113,13 @@ def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
     set_item = environ_type.__setitem__
 
     def recording_set_item(environ, key, value):
+        if environ is not os.environ:
+            return set_item(environ, key, value)
         # Whether it replaced a value: looked up in the mapping's own store, which is no read
         # of the variable (``in`` would be one, ``envreads``).
-        replaced = environ is os.environ and environ.encodekey(key) in environ._data
+        replaced = environ.encodekey(key) in environ._data
         set_item(environ, key, value)
-        module = importing(sys._getframe(1)) if environ is os.environ else None
+        module = importing(sys._getframe(1))
         if module is not None:
             _calls.setdefault(module, []).append(
                 (next(_sequence), _set_env, (key, value, replaced), {}))
