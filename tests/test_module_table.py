@@ -250,3 +250,63 @@ def test_a_name_a_module_puts_under_itself_comes_back_with_it(tmp_path):
     ref = plain([PY, "-c", code], env=env, timeout=120)
     assert (got.via, got.returncode, got.stdout) == ("zygote", 0, ref.stdout) == \
         ("zygote", 0, "42\n")
+
+
+PLACING = {
+    "placing/__init__.py": textwrap.dedent("""\
+        import importlib.util, os, sys, types
+        ops = types.ModuleType("placing.ops")  # as torch puts torch.ops and torch.classes
+        ops.VALUE = 1
+        sys.modules.setdefault("placing.ops", ops)
+        spec = importlib.util.spec_from_file_location(  # a plugin loaded by hand, then run
+            "placing_plugin", os.path.join(os.path.dirname(__file__), "plugin.py"))
+        plugin = importlib.util.module_from_spec(spec)
+        sys.modules["placing_plugin"] = plugin
+        spec.loader.exec_module(plugin)
+        last = types.ModuleType("placing.last")  # placed after the import's last import
+        last.VALUE = 3
+        sys.modules["placing.last"] = last
+        """),
+    "placing/plugin.py": "import colorsys\nVALUE = 2\n",
+}
+PLACED = "sorted(n for n in sys.modules if n.startswith('placing'))"
+
+
+@pytest.mark.parametrize("code", [
+    f"import sys\nimport placing\nprint(placing.ops.VALUE, placing.plugin.VALUE, "
+    f"placing.last.VALUE, {PLACED})\n",
+    f"import sys\nprint({PLACED})\nimport placing.ops\nprint({PLACED})\n",
+])
+def test_a_module_an_import_puts_into_sys_modules_by_hand_comes_back_with_that_import(
+        tmp_path, code):
+    """What an import puts into ``sys.modules`` itself (torch's ``torch.ops``, a plugin loaded
+    with ``module_from_spec``) is there after the step imports it, and an attribute of the
+    package that holds it too, as in a fresh interpreter; not before."""
+    for name, text in PLACING.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = fresh_env(PYTHONPATH=str(tmp_path), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    launcher = Launcher(["json", "placing"])
+    try:
+        got = launcher.run([PY, "-c", code], env=env, timeout=120)
+    finally:
+        launcher.close()
+    ref = plain([PY, "-c", code], env=env, timeout=120)
+    assert (got.via, got.returncode, got.stdout) == ("zygote", 0, ref.stdout), got.stdout
+    assert "placing_plugin" in ref.stdout
+
+
+@pytest.mark.needs_torch
+def test_torch_ops_and_torch_compile_in_a_step(torch_launcher):
+    """``torch.ops`` and ``torch.classes`` are names torch puts into ``sys.modules`` by hand;
+    torch.compile's tracing looks operators up there."""
+    code = textwrap.dedent("""\
+        import torch
+        print(torch.ops.aten.add.default, torch.classes.__name__)
+        double = torch.compile(lambda x: x * 2 + 1, backend="eager")
+        print(double(torch.ones(2)).tolist())
+        """)
+    env = fresh_env()
+    got = torch_launcher.run([PY, "-c", code], env=env, timeout=300)
+    ref = plain([PY, "-c", code], env=env, timeout=300)
+    assert (got.via, got.returncode, got.stdout) == ("zygote", 0, ref.stdout), got.stdout

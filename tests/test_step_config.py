@@ -277,14 +277,14 @@ def test_the_import_function_a_preloaded_module_kept_behaves_as_pythons(tmp_path
 
 KEPT_AFTER_RECORDING = """
 import builtins
-from preload_launcher.step import module_table
-with module_table.recording():
+from preload_launcher.zygote import import_graph
+with import_graph.recording():
     kept = builtins.__import__
-edges = {k: set(v) for k, v in module_table._edges.items()}
-module_table._importing = None  # a kept function that still looked for its importer fails
+edges = {k: set(v) for k, v in import_graph.edges.items()}
+import_graph._importing = None  # a kept function that still looked for its importer fails
 exec(compile("import colorsys; kept('wave'); kept('os.path', fromlist=['join'])",
              "kept_user", "exec"), {"__name__": "kept_user", "kept": kept})
-print(kept is not builtins.__import__, module_table._edges == edges,
+print(kept is not builtins.__import__, import_graph.edges == edges,
       [getattr(kept, a) == getattr(builtins.__import__, a)
        for a in ("__name__", "__qualname__", "__doc__", "__module__")])
 """

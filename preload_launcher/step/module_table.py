@@ -1,17 +1,13 @@
 """A step's module table starts as a fresh interpreter's; a preloaded module joins it when the
 step imports it, as configured as a fresh import would configure it now, or the step runs fresh.
 
-In the zygote (``recording``): each import the preload and the learning make is recorded as an
-edge from the module being imported (the innermost module top level running) to what it
-imports, names already loaded included, and each environment variable a module's import reads
-is recorded against that module with the value it saw.
-
 In a step (``start_fresh``): every module a fresh interpreter lacks at start-up leaves
 ``sys.modules`` for a stash, and a finder first on ``sys.meta_path`` hands a stashed module back
-when the step imports it, with its closure: what its import imported in the zygote, so
-``sys.modules`` after ``import transformers`` holds what a fresh ``import transformers`` leaves
-(``importlib.util.find_spec`` finds it, and hands nothing back); a package handed back holds
-no stashed submodule as an attribute (``detach_submodules``). Before handing back:
+when the step imports it, with its closure: what its import imported in the zygote
+(``zygote.import_graph``), so ``sys.modules`` after ``import transformers`` holds what a fresh
+``import transformers`` leaves (``importlib.util.find_spec`` finds it, and hands nothing back); a
+package handed back holds no stashed submodule as an attribute (``detach_submodules``). Before
+handing back:
 
 - the step's own modules win: a top-level name the step's own path entries provide another
   file for is not handed back, and the step's import finds its file (``shadowing``);
@@ -24,223 +20,19 @@ no stashed submodule as an attribute (``detach_submodules``). Before handing bac
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import functools
 import importlib.abc
 import importlib.machinery
 import os
-import re
 import sys
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 from ..interpreter import env_value
-from ..settings import NATIVE_ENV, THREAD_ENV
-from ..zygote import envreads
+from ..zygote import envreads, import_graph
 from . import import_effects, shadowing
 
-__all__ = ["recording", "start_fresh", "stop_checking", "known_modules", "reads_of", "families",
-           "attach"]
-
-# What native code reads when the extensions that load it are imported, invisible to
-# ``os.environ``'s recorder (``settings.NATIVE_ENV``: families ``X*``; thread counts): torch's
-# and numpy's, with the OpenMP, MKL, oneDNN and OpenBLAS runtimes they bring.
-NATIVE_READS = {name: THREAD_ENV + NATIVE_ENV for name in (
-    "torch._C", "numpy._core._multiarray_umath", "numpy.core._multiarray_umath")}
-
-_PREFIX = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)*_")  # "TQDM_", "HF_HUB_"
-# Per-test, terminal and launcher variables differ between a suite's processes for no reason
-# an import cares about (``settings``): a scan for them is not a setting the step changed.
-_NOT_FAMILIES = {"PYTEST_", "PRELOAD_LAUNCHER_", "_PRELOAD_LAUNCHER_"}
-_edges: dict[str, set[str]] = {}  # importer -> what its import imported
-_reads: dict[str, dict[str, Optional[str]]] = {}  # module -> {variable: value its import saw}
-_roots: set[str] = set()  # modules imported by no module: preload entries, learned modules
-_recording = False
-_scanning = False  # a scan the recording makes itself
-_original_import = builtins.__import__
-
-
-def _importing(frame) -> Optional[str]:
-    """The module whose top level runs at ``frame`` or below it (being imported), if any."""
-    while frame is not None:
-        if frame.f_code.co_name == "<module>":
-            name = frame.f_globals.get("__name__")
-            if name in sys.modules and name != "__main__":
-                return name
-        frame = frame.f_back
-    return None
-
-
-@functools.wraps(_original_import)  # a module may keep it: python's own in all but identity
-def _recording_import(name, globals=None, locals=None, fromlist=(), level=0):
-    module = _original_import(name, globals, locals, fromlist, level)
-    if _recording:
-        importer = _importing(sys._getframe(1))
-        if importer is not None:
-            base = getattr(module, "__name__", None)
-            if fromlist:
-                names = [base, *(f"{base}.{f}" for f in fromlist if f != "*")]
-            else:
-                names = [name if level == 0 else base]
-            _edges.setdefault(importer, set()).update(
-                n for n in names if n != importer and n in sys.modules)
-    return module
-
-
-class _LoadWatcher(importlib.abc.MetaPathFinder):
-    """While recording: a module loaded by other means than an import statement
-    (``importlib.import_module``, a parent package, a submodule named in a ``from`` list)."""
-
-    def find_spec(self, name, path=None, target=None):
-        _edges.setdefault(name, set())  # what its import imports is seen: never derived later
-        parent, _, attr = name.rpartition(".")  # what its package held under its name before
-        if attr in getattr(sys.modules.get(parent), "__dict__", {}) and name not in _held:
-            _held[name] = vars(sys.modules[parent])[attr]
-        importer = _importing(sys._getframe(1))
-        if importer is None:
-            _roots.add(name)
-        elif importer != name:
-            _edges.setdefault(importer, set()).add(name)
-        return None
-
-
-def _on_env_read(key: str, value: Optional[str]) -> None:
-    module = _importing(sys._getframe(2))
-    if module is not None:
-        _reads.setdefault(module, {}).setdefault(key, value)
-
-
-def _on_env_scan() -> None:
-    """A scan of the whole environment at import, as ``{k[5:]: v for k, v in os.environ.items()
-    if k.startswith("TQDM_")}`` reads settings: each family ``PREFIX_*`` its code may test (the
-    upper-case text ending in ``_`` among the constants and local values on the way from the
-    importing module) counts as read, with the values it has now."""
-    global _scanning
-    if _scanning:  # our own scan, below
-        return
-    frame = sys._getframe(2)
-    prefixes: set[str] = set()
-    while frame is not None:
-        code = frame.f_code
-        prefixes.update(c for c in code.co_consts if isinstance(c, str) and _PREFIX.fullmatch(c))
-        if code.co_name == "<module>":
-            name = frame.f_globals.get("__name__")
-            if name in sys.modules and name != "__main__":
-                break
-        else:
-            prefixes.update(v for v in frame.f_locals.values()
-                            if isinstance(v, str) and _PREFIX.fullmatch(v))
-        frame = frame.f_back
-    if frame is None:
-        return
-    reads = _reads.setdefault(name, {})
-    _scanning = True
-    try:
-        environ = dict(os.environ)
-    finally:
-        _scanning = False
-    for prefix in prefixes - _NOT_FAMILIES:
-        reads.setdefault(prefix + "*", env_value(environ, prefix + "*"))
-
-
-def families() -> set[str]:
-    """The families of variables scans read while recording (``PREFIX_*``)."""
-    return {key for reads in _reads.values() for key in reads if key.endswith("*")}
-
-
-def _derive_edges() -> None:
-    """Modules imported before any recording (the launcher's own and the standard library
-    modules it uses) get the edges their globals show: the modules bound there, and those
-    that the functions and classes bound there come from."""
-    for name, module in list(sys.modules.items()):
-        if name in _edges or name in shadowing.startup_modules or module is None:
-            continue
-        found = set()
-        for value in list(getattr(module, "__dict__", {}).values()):
-            other = getattr(value, "__name__", None) if isinstance(value, type(sys)) else \
-                getattr(value, "__module__", None)
-            if isinstance(other, str) and other != name and other in sys.modules:
-                found.add(other)
-        _edges[name] = found
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[None]:
-    """Record the imports made inside (and what environment each module's import read)."""
-    global _recording
-    _derive_edges()
-    watcher = _LoadWatcher()
-    sys.meta_path.insert(0, watcher)
-    builtins.__import__ = _recording_import
-    _recording = True
-    try:
-        with envreads.reporting_reads(_on_env_read, _on_env_scan), \
-                import_effects.recording(_importing):
-            yield
-    finally:
-        _recording = False
-        builtins.__import__ = _original_import
-        sys.meta_path[:] = [f for f in sys.meta_path if f is not watcher]
-    _prepare()
-
-
-def reads_of(name: str) -> dict[str, Optional[str]]:
-    """The variables ``name``'s own import read (a family ``X*``: all named X...), and their
-    values (the recording's; None for what native code read)."""
-    native = {key: None for key in NATIVE_READS.get(name, ())}
-    return {**native, **_reads.get(name, {})}
-
-
-# ---------------------------------------------------------------- ahead of the forks
-
-_order: dict[str, int] = {}  # the zygote's import order
-_closures: dict[str, tuple[str, ...]] = {}  # a root -> its closure, in import order
-_closure_tops: dict[str, frozenset] = {}  # a root -> the top-level names in its closure
-# A module that is no package -> the names under it in ``sys.modules``: entries its import put
-# there itself (``typing.io`` on 3.10), which no import can find again (not a package).
-_aliases: dict[str, tuple[str, ...]] = {}
-
-
-def _walk(name: str, present) -> set[str]:
-    """``name``, its parents and what their imports imported, transitively, among ``present``."""
-    found, todo = set(), [name]
-    while todo:
-        current = todo.pop()
-        if current in found or current not in present:
-            continue
-        found.add(current)
-        todo.extend(_edges.get(current, ()))
-        parent = current.rpartition(".")[0]
-        if parent:
-            todo.append(parent)
-    return found
-
-
-def _prepare() -> None:
-    """In the zygote, once its modules are there: the closure of each module a step imports
-    first (a top-level package; a preload entry or learned module, imported by no module), so
-    that handing it back in a step is a filter and a few dictionary stores."""
-    _order.clear()
-    _order.update((name, i) for i, name in enumerate(sys.modules))
-    _closures.clear()
-    _closure_tops.clear()
-    _aliases.clear()
-    for name in sys.modules:
-        parent = name.rpartition(".")[0]
-        if parent and not hasattr(sys.modules.get(parent), "__path__"):
-            _aliases[parent] = _aliases.get(parent, ()) + (name,)
-    roots = {n for n in sys.modules if "." not in n} | (_roots & set(sys.modules))
-    for root in roots:
-        found = _walk(root, sys.modules)
-        _closures[root] = tuple(sorted(found, key=_order.__getitem__))
-        _closure_tops[root] = frozenset(n.partition(".")[0] for n in found)
-    import_effects.prepare()
-
-
-# ---------------------------------------------------------------- in a step
+__all__ = ["start_fresh", "stop_checking", "known_modules", "attach"]
 
 _attached: dict[str, set[str]] = {}  # importer -> what a step's eager replay imported for it
-_held: dict[str, object] = {}  # submodule -> its package's attribute of that name before it
 
 
 def attach(importers: list[str], names: set[str]) -> None:
@@ -305,23 +97,23 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return shadowed
 
     def hand_back(self, name: str):
-        closure = _closures.get(name)
+        closure = import_graph.closures.get(name)
         if closure is None:  # not a root: walked now
-            found = _walk(name, self.stash)
-            closure = tuple(sorted(found, key=lambda n: _order.get(n, len(_order))))
+            found = import_graph.walk(name, self.stash)
+            closure = tuple(import_graph.in_import_order(found))
             tops = {n.partition(".")[0] for n in found}
         else:
-            tops = _closure_tops[name]
+            tops = import_graph.closure_tops[name]
         names = [n for n in closure if n in self.stash]
-        names += [a for n in names for a in _aliases.get(n, ())
+        names += [a for n in names for a in import_graph.aliases.get(n, ())
                   if a in self.stash and a not in closure]  # the closure may hold it already
         if _attached:
             names = list(dict.fromkeys(
                 names + [a for n in names for a in _attached.get(n, ()) if a in self.stash]))
         shadowed = self.shadowed_tops(tops)
         if shadowed:  # the step's own: not handed back, nor what only they imported
-            names = sorted(_walk(name, {n for n in names if n.partition(".")[0] not in shadowed}),
-                           key=lambda n: _order.get(n, len(_order)))
+            names = import_graph.in_import_order(import_graph.walk(
+                name, {n for n in names if n.partition(".")[0] not in shadowed}))
         if self.checking and dict(os.environ) != self.start_env:
             self.check_env(names)
         for member in names:
@@ -350,8 +142,8 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                     stashed = f"{member}.{attr}"  # deprecated names do), nor a look at values
                     if stashed in self.stash and self.stash[stashed] is value:
                         del vars(package)[attr]  # or what it held before: a function, say
-                        if stashed in _held:
-                            setattr(package, attr, _held[stashed])
+                        if stashed in import_graph.held:
+                            setattr(package, attr, import_graph.held[stashed])
                         self.detached[stashed] = (package, attr)
 
     def check_env(self, names: list[str]) -> None:
@@ -359,12 +151,13 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         differ? (``on_changed`` decides what then.)"""
         changed = {}
         for member in names:
-            for key, seen in reads_of(member).items():
+            for key, seen in import_graph.reads_of(member).items():
                 now = env_value(os.environ, key)
                 # A scanned family the zygote saw otherwise: learned after its start, no
                 # zygote was chosen for it (``preload``), so the step's own start counts too.
                 if not envreads.same_to_readers(key, now, env_value(self.start_env, key)) or (
-                        key in _reads.get(member, {}) and key.endswith("*") and now != seen):
+                        key in import_graph.reads.get(member, {}) and key.endswith("*")
+                        and now != seen):
                     changed.setdefault(key, member)
         if changed:
             self.on_changed(changed)

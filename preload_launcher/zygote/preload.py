@@ -27,8 +27,7 @@ from .. import interpreter
 from ..cuda import PRELOAD_ENV, DriverProbe, nvml_device_count
 from ..settings import (IMPORT_ENV_KEYS, NATIVE_ENV, PER_TEST_ENV, QUARANTINE_ENV, RESTARTED_ENV,
                         TERMINAL_ENV, Settings, ZygoteConfig)
-from ..step import module_table
-from . import learn, threads
+from . import import_graph, learn, threads
 from .crashes import CrashGuard, collect_crashes
 from .culprits import EntryReport, is_dirty, verdict_for, verdict_key
 from .deferral import Blocker, top_level
@@ -123,7 +122,7 @@ class Preloader:
         """Preload; raises ``Quarantined`` when an entry must go. Records which variables the
         imports read (a zygote serves only steps that agree on them) and which they set."""
         start_env = self.start_env = dict(os.environ)
-        with threads.preload_limits(), recording_env_reads() as keys, module_table.recording():
+        with threads.preload_limits(), recording_env_reads() as keys, import_graph.recording():
             guard = CrashGuard(self.config.cache_dir, self.cache.fingerprint, known=self.scouted)
             report = preload(self.config.modules, self.probe, self.skip, self.blocker,
                              self.should_scout, self.log, guard)
@@ -140,7 +139,7 @@ class Preloader:
         report.deferred = self.deferred()
         report.hints = {key: "re-verifying" for key in self.hints}
         self.note_env_reads(report, keys | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV)
-                            | module_table.families())
+                            | import_graph.families())
         # And what sys.flags fixed at start-up from the environment (-O, dev mode, UTF-8, ...).
         report.import_env.update({interpreter.FLAG_PREFIX + k: v
                                   for k, v in interpreter.zygote_flags().items()})
@@ -224,7 +223,7 @@ class Preloader:
         budget = self.config.learn_budget_s - self.learn_spent_s
         # as at start-up, while idle too (only for imports: entering the limits costs memory)
         limits = threads.preload_limits() if modules else contextlib.nullcontext()
-        with limits, module_table.recording():
+        with limits, import_graph.recording():
             summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker)
         self.profile.leave_to_steps(summary["guards_deferred"])  # not tried again later
         failed = summary.pop("failed_modules")
@@ -254,7 +253,7 @@ class Preloader:
             try:
                 return self.learn(idle, changed=merged > 0)
             finally:
-                self.note_env_reads(report, set(keys) | module_table.families())
+                self.note_env_reads(report, set(keys) | import_graph.families())
 
 
 def freeze_image() -> None:
