@@ -55,3 +55,23 @@ def test_the_preloaded_stack_joins_the_module_table_when_imported(stack_launcher
     assert result.via == "zygote", result.reason
     fresh = subprocess.run([PY, "-c", code], capture_output=True, text=True)  # stdout: its
     assert result.stdout == fresh.stdout == "False\nTrue\n"  # import warnings go to stderr
+
+
+def test_torchs_apis_in_a_step_are_a_fresh_interpreters(stack_launcher, tmp_path):
+    """torch.compile (dynamo, AOT autograd, inductor), custom operators, export, fx, TorchScript
+    and quantization in a forked step give what they give in a fresh interpreter (each way its
+    own inductor cache)."""
+    outputs = []
+    for way in ("plain", "forked"):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / way))
+        args = [PY, program("torch_apis.py")]
+        if way == "plain":
+            outputs.append(subprocess.run(args, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True, timeout=600).stdout)
+        else:
+            result = stack_launcher.run(args, env=env, timeout=600)
+            assert result.via == "zygote", result.reason
+            outputs.append(result.stdout)
+    checks = [[line for line in out.splitlines() if line.startswith("check ")] for out in outputs]
+    assert "check custom_op: [2.0, 2.0]" in checks[0] and "check modelopt: QuantLinear" in checks[0]
+    assert checks[1] == checks[0]
