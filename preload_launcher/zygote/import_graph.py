@@ -139,7 +139,11 @@ def _unaccounted(newest_first) -> list[str]:
 
 def _still_loading(name: str) -> bool:
     """Whether python's import of ``name`` has not ended (so it has yet to move it to the end)."""
-    return bool(getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False))
+    try:  # what an import put there may be any object, with a __getattr__ of its own
+        spec = vars(sys.modules[name]).get("__spec__")
+        return bool(getattr(spec, "_initializing", False))
+    except (KeyError, TypeError):  # gone (its import failed); no __dict__
+        return False
 
 
 def _on_env_read(key: str, value: Optional[str]) -> None:
