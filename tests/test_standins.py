@@ -77,6 +77,7 @@ def comparable_output(output):
 
 def test_a_shell_steps_interpreters_are_forked_from_the_zygote(torch_launcher, project):
     ref = plain(["bash", "s.sh"], cwd=project, env=step_env(project / "ref"), timeout=120)
+    torch_launcher.zygote_for(step_env(project / "got"))  # a stand-in asks only a ready zygote
     got = torch_launcher.run(["bash", "s.sh"], cwd=project, env=step_env(project / "got"),
                              timeout=120)
     assert got.via == "subprocess" and "forked by the zygote" in got.reason
@@ -97,6 +98,7 @@ def test_a_timeout_on_the_script_leaves_no_process(torch_launcher, project):
     (project / "sleep.sh").write_text(
         'python -c "import os, time; print(os.getpid(), flush=True); time.sleep(60)" &\n'
         'echo standin $!\nwait\n')
+    torch_launcher.zygote_for(step_env(project / "m"))  # a stand-in asks only a ready zygote
     with pytest.raises(subprocess.TimeoutExpired) as caught:
         torch_launcher.run(["bash", "sleep.sh"], cwd=project, env=step_env(project / "m"),
                            timeout=8)
@@ -139,6 +141,7 @@ def test_a_python_of_another_interpreter_gets_no_stand_in(torch_launcher, projec
     (other / "python").chmod(0o755)
     env = step_env(project / "m")
     env["PATH"] = f"{other}{os.pathsep}{env['PATH']}"
+    torch_launcher.zygote_for(env)  # a stand-in asks only a ready zygote
     got = torch_launcher.run(["bash", "-c", "command -v python; python a.py; python3 a.py"],
                              cwd=project, env=env, timeout=120)
     lines = got.stdout.splitlines()

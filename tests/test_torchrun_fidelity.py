@@ -363,6 +363,7 @@ def test_a_stand_ins_program_owns_what_the_real_one_would(torch_launcher, tmp_pa
     (tmp_path / "groups.sh").write_text(GROUPS_SCRIPT)
     (tmp_path / "parent.py").write_text(PARENT)
     ref = plain(["bash", "groups.sh"], cwd=tmp_path, env=step_env(tmp_path), timeout=900)
+    torch_launcher.zygote_for(step_env(tmp_path))  # a stand-in asks only a ready zygote
     got = torch_launcher.run(["bash", "groups.sh"], cwd=tmp_path, env=step_env(tmp_path),
                              timeout=900)
     assert got.via == "subprocess" and "forked by the zygote" in got.reason
