@@ -233,6 +233,18 @@ def test_settings_a_library_scans_the_environment_for_are_read_as_fresh(tmp_path
         assert ours.via == "zygote", ours.reason  # by a zygote started with it
 
 
+def preloading_one_of_the_folders_own(folder, module: str, code: str):
+    """(through a one-off zygote that preloads ``module`` from ``folder``, plainly) for
+    ``python -c code`` with ``folder`` on PYTHONPATH."""
+    env = fresh_env(PYTHONPATH=str(folder), PRELOAD_LAUNCHER_CACHE_DIR=str(folder / "cache"))
+    launcher = Launcher(["json", module])
+    try:
+        got = launcher.run([PY, "-c", code], env=env, timeout=120)
+    finally:
+        launcher.close()
+    return got, plain([PY, "-c", code], env=env, timeout=120)
+
+
 def test_a_name_a_module_puts_under_itself_comes_back_with_it(tmp_path):
     """A module that is no package may put names under its own in ``sys.modules`` (``typing``
     puts ``typing.io`` there on 3.10, which pip's certifi imports): importing such a name
@@ -240,14 +252,8 @@ def test_a_name_a_module_puts_under_itself_comes_back_with_it(tmp_path):
     (tmp_path / "aliasing.py").write_text(
         "import sys, types\nview = types.ModuleType('aliasing.view')\nview.VALUE = 42\n"
         "sys.modules['aliasing.view'] = view\n")
-    env = fresh_env(PYTHONPATH=str(tmp_path), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
     code = "from aliasing.view import VALUE\nimport aliasing.view\nprint(VALUE)\n"
-    launcher = Launcher(["json", "aliasing"])
-    try:
-        got = launcher.run([PY, "-c", code], env=env, timeout=120)
-    finally:
-        launcher.close()
-    ref = plain([PY, "-c", code], env=env, timeout=120)
+    got, ref = preloading_one_of_the_folders_own(tmp_path, "aliasing", code)
     assert (got.via, got.returncode, got.stdout) == ("zygote", 0, ref.stdout) == \
         ("zygote", 0, "42\n")
 
@@ -285,13 +291,7 @@ def test_a_module_an_import_puts_into_sys_modules_by_hand_comes_back_with_that_i
     for name, text in PLACING.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    env = fresh_env(PYTHONPATH=str(tmp_path), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
-    launcher = Launcher(["json", "placing"])
-    try:
-        got = launcher.run([PY, "-c", code], env=env, timeout=120)
-    finally:
-        launcher.close()
-    ref = plain([PY, "-c", code], env=env, timeout=120)
+    got, ref = preloading_one_of_the_folders_own(tmp_path, "placing", code)
     assert (got.via, got.returncode, got.stdout) == ("zygote", 0, ref.stdout), got.stdout
     assert "placing_plugin" in ref.stdout
 

@@ -91,12 +91,16 @@ class _LoadWatcher(importlib.abc.MetaPathFinder):
         parent, _, attr = name.rpartition(".")  # what its package held under its name before
         if attr in getattr(sys.modules.get(parent), "__dict__", {}) and name not in held:
             held[name] = vars(sys.modules[parent])[attr]
-        importer = _importing(sys._getframe(1))
-        if importer is None:
-            roots.add(name)
-        elif importer != name:
-            edges.setdefault(importer, set()).add(name)
+        _record_import(_importing(sys._getframe(1)), name)
         return None
+
+
+def _record_import(importer: Optional[str], name: str) -> None:
+    """``importer``'s import imported ``name``; imported by no module's: a root."""
+    if importer is None:
+        roots.add(name)
+    elif importer != name:
+        edges.setdefault(importer, set()).add(name)
 
 
 def _note_placed_by_hand(frame) -> None:
@@ -120,11 +124,7 @@ def _note_placed_by_hand(frame) -> None:
     for name in placed:
         edges.setdefault(name, set())
         parent = name.rpartition(".")[0]
-        owner = importer or (parent if parent in sys.modules else None)
-        if owner is None:
-            roots.add(name)
-        elif owner != name:
-            edges.setdefault(owner, set()).add(name)
+        _record_import(importer or (parent if parent in sys.modules else None), name)
 
 
 def _unaccounted(newest_first) -> list[str]:
@@ -281,6 +281,6 @@ def _prepare() -> None:
     firsts = {n for n in sys.modules if "." not in n} | (roots & set(sys.modules))
     for root in firsts:
         found = walk(root, sys.modules)
-        closures[root] = tuple(sorted(found, key=order.__getitem__))
+        closures[root] = tuple(in_import_order(found))
         closure_tops[root] = frozenset(n.partition(".")[0] for n in found)
     import_effects.prepare()
