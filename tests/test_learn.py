@@ -105,7 +105,9 @@ def test_a_dirty_learned_module_rules_out_its_package_only(learn_site):
     session(project, env, "pass")
     # The package's clean module goes with it: importing it would run the same __init__ chain.
     assert log.read_text().count("dirtypkg.clean") == imports_before
-    assert log.read_text().count("slow_a") == slow_a_before + 2  # each later zygote, once
+    # Each later zygote once, and a child's try of it first (``tryout``) where the first zygote
+    # had not learned it while idle.
+    assert log.read_text().count("slow_a") in (slow_a_before + 2, slow_a_before + 3)
 
 
 def test_a_version_change_drops_the_profile(learn_site):
@@ -148,7 +150,9 @@ def test_pin_and_forget_from_the_cli(learn_site, monkeypatch, capsys):
     slow_a, slow_b = log.read_text().count("slow_a"), log.read_text().count("slow_b")
     _, _, status = session(project, env, "pass")
     assert log.read_text().count("slow_b") == slow_b  # forgotten: never preloaded again
-    assert log.read_text().count("slow_a") == slow_a + 1  # still learned: preloaded
+    # still learned: preloaded (after a child's try of it, where the first zygote had not
+    # learned it while idle)
+    assert log.read_text().count("slow_a") in (slow_a + 1, slow_a + 2)
 
 
 def test_idle_learning_serves_a_later_step_of_the_same_session(learn_site):
@@ -165,8 +169,9 @@ def test_idle_learning_serves_a_later_step_of_the_same_session(learn_site):
             time.sleep(0.1)
         second = launcher.run([PY, "-c", code], env=env, cwd=str(project))
         assert second.stdout == "ok\n"
-        assert log.read_text().count("slow_a") == 2  # the first step, then the zygote: not the
-        assert log.read_text().count("slow_b") == 2  # second step, which found both preloaded
+        # the first step, a child of the zygote trying it, then the zygote: not the second
+        # step, which found both preloaded
+        assert log.read_text().count("slow_a") == log.read_text().count("slow_b") == 3
     finally:
         launcher.close()
 
@@ -214,3 +219,41 @@ def test_a_module_whose_import_warns_or_prints_is_never_learned(tmp_path):
         assert fresh.returncode == forked.returncode == 1 and forked.via == "zygote"
     finally:
         again.close()
+
+
+def test_a_module_that_is_not_learned_left_nothing_of_its_import_in_the_zygote(tmp_path):
+    """Differential: a learned module is imported in a child of the zygote first, so one the
+    zygote may not keep (its import warns) never ran there: what its import did to a preloaded
+    module (an entry in its registry, as modelopt's export modules register their modes in
+    modelopt.torch.opt's) is in no step, as in a fresh interpreter that did not import it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "registry.py").write_text("ENTRIES = []\n")
+    (site / "noisy.py").write_text("import registry, warnings\nregistry.ENTRIES.append('noisy')\n"
+                                   "warnings.warn('old', DeprecationWarning)\n")
+    (site / "quiet_mod.py").write_text("X = 1\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("PRELOAD_LAUNCHER_LEARN", None)
+    from conftest import plain
+    from preload_launcher.zygote import learn
+    launcher = Launcher(["json", "registry"], project=str(project))
+    try:
+        launcher.run([PY, "-c", "import noisy, quiet_mod"], env=env, cwd=str(project))
+        deadline = time.monotonic() + 60
+        while True:  # the zygote learns while idle: quiet_mod comes after noisy, in one pass
+            data = learn.Profile(str(tmp_path / "cache"), learn.profile_key(str(project)),
+                                 str(project)).data
+            if data["modules"].get("quiet_mod", {}).get("seconds") is not None:
+                break
+            assert time.monotonic() < deadline, "the zygote never learned quiet_mod"
+            time.sleep(0.1)
+        assert set(data["unlearnable"]) == {"noisy"}
+        args = [PY, "-c", "import registry; print(registry.ENTRIES)"]
+        fresh, forked = plain(args, env=env, cwd=str(project)), launcher.run(
+            args, env=env, cwd=str(project))
+        assert forked.via == "zygote"
+        assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout) == (0, "[]\n")
+    finally:
+        launcher.close()

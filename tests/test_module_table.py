@@ -296,6 +296,30 @@ def test_a_module_an_import_puts_into_sys_modules_by_hand_comes_back_with_that_i
     assert "placing_plugin" in ref.stdout
 
 
+TRYING = {  # as modelopt tries its megatron plugins, catching the ImportError
+    "trying/__init__.py": "try:\n    from trying import plugin\nexcept ImportError:\n"
+                          "    plugin = None\n",
+    "trying/plugin.py": "import colorsys\nfrom trying import helper\nimport not_installed_here\n",
+    "trying/helper.py": "VALUE = 1\n",
+}
+
+
+def test_what_a_failed_import_imported_before_it_failed_comes_back_with_the_import_that_tried_it(
+        tmp_path):
+    """A package that tries a plugin and catches its ImportError keeps what the plugin imported
+    before it failed (megatron.core's post_training modules after ``import modelopt.torch``
+    without Transformer Engine): in ``sys.modules``, and a submodule as its package's
+    attribute, as in a fresh interpreter."""
+    for name, text in TRYING.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    code = ("import sys\nimport trying\nprint(trying.plugin, trying.helper.VALUE, 'colorsys' "
+            "in sys.modules, sorted(n for n in sys.modules if n.startswith('trying')))\n")
+    got, ref = preloading_one_of_the_folders_own(tmp_path, "trying", code)
+    assert (got.via, got.returncode, got.stdout) == ("zygote", 0, ref.stdout), got.stdout
+    assert ref.stdout == "None 1 True ['trying', 'trying.helper']\n"
+
+
 @pytest.mark.needs_torch
 def test_torch_ops_and_torch_compile_in_a_step(torch_launcher):
     """``torch.ops`` and ``torch.classes`` are names torch puts into ``sys.modules`` by hand;

@@ -16,6 +16,7 @@ from .crashes import CrashGuard
 from .culprits import EntryReport, import_entry, is_dirty, unguarded_verdict, verdict_key
 from .deferral import Blocker, top_level
 from .scouts import Abandon, Follower, Scouts, ScoutStream
+from .tryout import try_import
 from .verdicts import DEFER
 
 __all__ = ["PreloadReport", "preload", "preload_learned"]
@@ -148,9 +149,13 @@ def _quarantined(module: str, quarantined: dict) -> bool:
 
 def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
                     keep_going: Callable[[], bool] = lambda: True,
-                    blocker: Optional[Blocker] = None) -> tuple[dict, Optional[EntryReport]]:
+                    blocker: Optional[Blocker] = None,
+                    kept_before: frozenset = frozenset()) -> tuple[dict, Optional[EntryReport]]:
     """Import learned modules until the time budget is spent or ``keep_going()`` says stop;
-    stop at the first dirty one. One that tries a deferred package is not kept (``blocker``).
+    stop at the first dirty one. Each is imported in a child first (``tryout``; not those a
+    zygote imported and kept before, ``kept_before``): one that warns or prints at import,
+    reaches pytest, tries a deferred package (``blocker``) or fails there is never imported
+    here.
 
     Returns a summary (with each module's cost) and, when one made the process unfit to fork,
     its report."""
@@ -169,6 +174,11 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
             if not keep_going():
                 summary["interrupted"] = True
                 break
+            tried = {} if module in kept_before else try_import(module, probe, blocker)
+            if tried:  # ruled out by the child's import: none runs here
+                _note_ruled_out(summary, module, tried)
+                continue
+            # What follows keeps out an import that does here what it did not in the child.
             blocked_before = len(blocker.stacks) if blocker is not None else 0
             before = set(sys.modules)
             with learn.ImportEffects() as effects:
@@ -192,6 +202,16 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
                 summary["failed_modules"].append(module)
     summary["seconds"] = round(time.perf_counter() - start, 3)
     return summary, dirty
+
+
+def _note_ruled_out(summary: dict, module: str, tried: dict) -> None:
+    if "deferred" in tried:
+        summary["guards_deferred"].append(module)
+    elif "unlearnable" in tried:
+        summary["unlearnable"][module] = tried["unlearnable"]
+    else:
+        summary["failed"] += 1
+        summary["failed_modules"].append(module)
 
 
 def unimport_blocked(blocker: Blocker, blocked_before: int, module: str) -> bool:

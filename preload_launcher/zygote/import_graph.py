@@ -27,7 +27,7 @@ from ..step import import_effects, shadowing
 from . import envreads
 
 __all__ = ["recording", "reads_of", "families", "walk", "in_import_order", "edges", "reads",
-           "roots", "held", "closures", "closure_tops", "aliases"]
+           "roots", "held", "closures", "closure_tops", "aliases", "failed"]
 
 # What native code reads when the extensions that load it are imported, invisible to
 # ``os.environ``'s recorder (``settings.NATIVE_ENV``: families ``X*``; thread counts): torch's
@@ -238,6 +238,10 @@ def reads_of(name: str) -> dict[str, Optional[str]]:
 # ---------------------------------------------------------------- ahead of the forks
 
 order: dict[str, int] = {}  # the zygote's import order
+# Modules whose import started and failed (a plugin a package tries, catching the ImportError):
+# gone from sys.modules, but what they imported before failing stays in a fresh interpreter, as
+# part of the import that tried them.
+failed: set[str] = set()
 closures: dict[str, tuple[str, ...]] = {}  # a root -> its closure, in import order
 closure_tops: dict[str, frozenset] = {}  # a root -> the top-level names in its closure
 # A module that is no package -> the names under it in ``sys.modules``: entries its import put
@@ -246,11 +250,17 @@ aliases: dict[str, tuple[str, ...]] = {}
 
 
 def walk(name: str, present) -> set[str]:
-    """``name``, its parents and what their imports imported, transitively, among ``present``."""
-    found, todo = set(), [name]
+    """``name``, its parents and what their imports imported, transitively, among ``present``;
+    through a module whose import failed, what it imported before it failed."""
+    found, todo, passed = set(), [name], set()
     while todo:
         current = todo.pop()
-        if current in found or current not in present:
+        if current in found or current in passed:
+            continue
+        if current not in present:
+            if current in failed:
+                passed.add(current)
+                todo.extend(edges.get(current, ()))
             continue
         found.add(current)
         todo.extend(edges.get(current, ()))
@@ -271,6 +281,8 @@ def _prepare() -> None:
     that handing it back in a step is a filter and a few dictionary stores."""
     order.clear()
     order.update((name, i) for i, name in enumerate(sys.modules))
+    failed.clear()
+    failed.update(name for name in edges if name not in sys.modules)
     closures.clear()
     closure_tops.clear()
     aliases.clear()

@@ -169,6 +169,12 @@ class Profile:
             out.append(name)
         return out
 
+    def kept_before(self) -> set[str]:
+        """Modules a zygote of this profile imported and kept (their cost is recorded): no
+        child needs to try them again (``tryout``)."""
+        return {name for name, entry in self.data["modules"].items()
+                if entry.get("seconds") is not None}
+
     def adopt(self, modules: list[str]) -> None:
         """Take modules another machine learned (a portable profile) as if seen once here."""
         def change(data: dict) -> None:
