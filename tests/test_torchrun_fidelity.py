@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from preload_launcher import Launcher
+
 from conftest import PY, plain, signal_submitted_step
 
 pytestmark = pytest.mark.needs_torch
@@ -387,6 +389,41 @@ def test_run_path_keeps_the_scripts_path_as_given(torch_launcher, tmp_path):
     assert probe_lines(got.stdout, False) == theirs
 
 
+
+
+SIGNAL_PROBE = textwrap.dedent("""\
+    import os, signal
+    with open("/proc/self/status") as f:
+        ignored = [line.split()[1] for line in f if line.startswith("SigIgn")][0]
+    os.write(1, f"RANK{os.environ['RANK']} {signal.getsignal(signal.SIGINT)} "
+                f"{signal.getsignal(signal.SIGUSR1)} {ignored}\\n".encode())
+    """)
+
+
+@pytest.mark.parametrize("launcher_args", [[], ["--max-restarts=1"]])  # either agent
+def test_ranks_take_on_what_a_subprocess_of_torchrun_would_inherit(tmp_path, launcher_args):
+    """A rank inherits its agent's process attributes, which are the caller's: a signal the
+    zygote ignores (it started in a job run with ``&``) is not ignored, one the caller ignores
+    is."""
+    (tmp_path / "signals.py").write_text(SIGNAL_PROBE)
+    args = [TORCHRUN, "--nproc-per-node=2", *launcher_args, "signals.py"]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        launcher = Launcher(["torch"])
+        launcher.zygote_for(step_env(tmp_path))  # started now: with SIGINT ignored
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        ref, got, _ = run_both(launcher, args, tmp_path)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        launcher.close()
+    assert got.via == "zygote", got.reason
+    theirs = probe_lines(ref.stdout, False)
+    assert len(theirs) == 2 and theirs[0].split()[-2] == "1", ref.stdout  # SIGUSR1: SIG_IGN
+    assert "default_int_handler" in theirs[0]
+    assert probe_lines(got.stdout, False) == theirs
 
 NOTICE = "Setting OMP_NUM_THREADS environment variable for each process"
 PRINT_RANK = "import os; os.write(1, f\"rank {os.environ['RANK']}\\n\".encode())"

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import cuda, protocol
+from .. import cuda, process_attrs, protocol
 from ..caller_fds import open_stdio
 from ..command import PythonTarget, StepSpec, Unsupported, launcher_interpreter, parse_python_argv
 from ..settings import Settings
@@ -152,7 +152,8 @@ class Agent:
             orders = StepSpec(args=self.spec.args, env=envs[rank], cwd=os.getcwd(),
                               target=target, stdout_file=self.logs.stdouts.get(rank, ""),
                               stderr_file=self.logs.stderrs.get(rank, ""),
-                              thread_counts=self.spec.thread_counts, fd_targets=stdio)
+                              thread_counts=self.spec.thread_counts, fd_targets=stdio,
+                              process=process_attrs.capture())  # what torchrun's Popen passes on
             protocol.send_request(handle.sock, orders.to_json_dict(), stdio)
             self.reports[handle.pid] = handle.sock
             self.readers[handle.pid] = protocol.EventReader()

@@ -23,7 +23,7 @@ import subprocess
 import time
 from typing import Callable, Iterator, Optional
 
-from .. import protocol
+from .. import process_attrs, protocol
 from ..caller_fds import open_stdio
 from ..command import PythonTarget, StepSpec, parse_python_argv
 from ..step import runtime
@@ -171,7 +171,8 @@ def forked_context_class():
                 orders = StepSpec(args=spec.args, env=env, cwd=os.getcwd(), target=targets[rank],
                                   stdout_file=self.stdouts.get(rank) or "",
                                   stderr_file=self.stderrs.get(rank) or "",
-                                  thread_counts=spec.thread_counts, fd_targets=stdio)
+                                  thread_counts=spec.thread_counts, fd_targets=stdio,
+                                  process=process_attrs.capture())  # the agent's, as Popen's
                 protocol.send_request(handle.sock, orders.to_json_dict(), stdio)
                 self.subprocess_handlers[rank] = ForkedHandler(ForkedProc(handle), rank)
 
