@@ -36,7 +36,9 @@ class PythonTarget:
     warnoptions: list[str] = field(default_factory=list)
     xoptions: list[str] = field(default_factory=list)
     executable: str = ""  # sys.executable as python computes it from argv[0] ("" = the zygote's)
-    file_as_given: bool = False  # __main__.__file__ as given (runpy.run_path: torchrun --run-path)
+    # torchrun --run-path: the agent's sys.path[0], which its spawned worker keeps (the
+    # script's folder is not on sys.path) before ``runpy.run_path`` runs the script as given
+    run_path_from: Optional[str] = None
     # What the test runner it starts sets in its own process before any test code (runner_env).
     runner_env: dict = field(default_factory=dict)
     # The command line as given up to the script, module or code ([] = rebuilt from the above)
@@ -217,13 +219,28 @@ def launcher_interpreter(args: list[str], env: dict[str, str], cwd: str) -> str:
     beside this interpreter does."""
     if _looks_like_python(args[0]):
         return _invoked_path(args[0], env, cwd) or sys.executable
+    script = _launcher_script(args, env, cwd)
+    return script[1] if script else sys.executable
+
+
+def launcher_path0(args: list[str], env: dict[str, str], cwd: str) -> str:
+    """The launcher's ``sys.path[0]`` (which a worker torchrun spawns keeps): the cwd for
+    ``python -m``, else its console script's folder, links resolved."""
+    if _looks_like_python(args[0]):
+        return cwd
+    script = _launcher_script(args, env, cwd)
+    return os.path.dirname(os.path.realpath(script[0] if script else sys.executable))
+
+
+def _launcher_script(args: list[str], env: dict[str, str], cwd: str) -> Optional[tuple[str, str]]:
+    """(the console script a launcher's command runs, the interpreter its ``#!`` names)."""
     found = args[0] if os.sep in args[0] else shutil.which(args[0], path=env.get("PATH", os.defpath))
     for script in (os.path.join(cwd, found) if found else "",
                    os.path.join(os.path.dirname(sys.executable), os.path.basename(args[0]))):
         interpreter = _shebang_interpreter(script) if script else None
         if interpreter and not interpreter.endswith("sh"):
-            return interpreter
-    return sys.executable
+            return script, interpreter
+    return None
 
 
 BINPRM_BUF_SIZE = 256  # Linux reads this much of a script for its ``#!`` line

@@ -391,6 +391,30 @@ def test_run_path_keeps_the_scripts_path_as_given(torch_launcher, tmp_path):
 
 
 
+
+def test_run_path_runs_the_script_as_torchrun_s_worker_does(torch_launcher, tmp_path):
+    """torchrun --run-path runs the script with ``runpy.run_path`` in a worker spawned with
+    the agent's ``sys.path``: the script's folder is not on it (a module beside the script is
+    not found) and ``__main__`` has no loader."""
+    (tmp_path / "pkgx").mkdir()
+    (tmp_path / "pkgx" / "beside.py").write_text("VALUE = 1\n")
+    (tmp_path / "pkgx" / "mod.py").write_text(textwrap.dedent("""\
+        import os, sys
+        try:
+            import beside
+            found = "found"
+        except ImportError as err:
+            found = repr(err)
+        os.write(1, f"RANK{os.environ['RANK']} {found} {sys.path[0]} {__loader__!r} "
+                    f"{__package__!r} {__spec__!r}\\n".encode())
+        """))
+    args = [TORCHRUN, "--nproc-per-node=2", "--run-path", "pkgx/mod.py"]
+    ref, got, _ = run_both(torch_launcher, args, tmp_path)
+    assert got.via == "zygote", got.reason
+    theirs = probe_lines(ref.stdout, False)
+    assert len(theirs) == 2 and "No module named 'beside'" in theirs[0], ref.stdout
+    assert probe_lines(got.stdout, False) == theirs
+
 SIGNAL_PROBE = textwrap.dedent("""\
     import os, signal
     with open("/proc/self/status") as f:

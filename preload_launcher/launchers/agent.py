@@ -23,7 +23,8 @@ from typing import Optional
 
 from .. import cuda, process_attrs, protocol
 from ..caller_fds import open_stdio
-from ..command import PythonTarget, StepSpec, Unsupported, launcher_interpreter, parse_python_argv
+from ..command import (PythonTarget, StepSpec, Unsupported, launcher_interpreter, launcher_path0,
+                       parse_python_argv)
 from ..settings import Settings
 from ..step import runtime
 from . import elastic, rendezvous, torch_agent
@@ -90,9 +91,10 @@ def _serve_configured(spec, state, conn_fd, args, config, command, warm_ranks, r
     if reason:
         protocol.send_event(conn_fd, "fallback", reason=reason, retire=False)
         return 0
-    if args.run_path:  # runpy.run_path(path): __file__ as given
+    if args.run_path:  # runpy.run_path(path) in a worker spawned with the agent's sys.path
         target = PythonTarget(kind="script", value=cmd_args[0], args=list(cmd_args[1:]),
-                              prog=sys.executable, executable=sys.executable, file_as_given=True)
+                              prog=sys.executable, executable=sys.executable,
+                              run_path_from=launcher_path0(spec.args, spec.env, spec.cwd))
     else:
         target = parse_python_argv([cmd, *cmd_args])
         if isinstance(target, Unsupported):

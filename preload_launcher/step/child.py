@@ -32,6 +32,8 @@ _real_executable = sys.executable  # the zygote's: the interpreter a fresh run e
 def _path0(target: PythonTarget) -> Optional[str]:
     if target.kind == "script" and script.is_main_importer(script.script_path(target.value)):
         return script.script_path(target.value)  # where __main__ is imported from, even with -P
+    if target.run_path_from is not None:
+        return target.run_path_from
     if os.environ.get("PYTHONSAFEPATH") and hasattr(sys.flags, "safe_path"):  # 3.11+ reads it
         return None
     if target.kind == "script":
@@ -43,10 +45,12 @@ def _fresh_main(target: PythonTarget) -> types.ModuleType:
     main = types.ModuleType("__main__")
     main.__dict__.update(__builtins__=__import__("builtins"), __annotations__={},
                          __spec__=None, __package__=None)
-    if target.kind == "script":
-        # torchrun --run-path keeps the path as given (runpy.run_path); python joins it to cwd.
-        path = target.value if target.file_as_given else script.script_path(target.value)
-        script.set_up_main(main, path)
+    if target.run_path_from is not None and not script.is_main_importer(target.value):
+        # runpy.run_path's globals for a file: the path as given, no loader
+        main.__dict__.update(__file__=target.value, __cached__=None, __doc__=None,
+                             __loader__=None, __package__="")
+    elif target.kind == "script":
+        script.set_up_main(main, script.script_path(target.value))
     else:
         main.__loader__ = importlib.machinery.BuiltinImporter
     sys.modules["__main__"] = main
