@@ -53,6 +53,18 @@ def session(project, env, code, modules=("json",)):
         launcher.close()
 
 
+def profile_once_learned(cache, project, module: str) -> dict:
+    """The project's learned profile once a zygote has learned ``module`` (its cost recorded)."""
+    from preload_launcher.zygote import learn
+    deadline = time.monotonic() + 60
+    while True:
+        data = learn.Profile(str(cache), learn.profile_key(str(project)), str(project)).data
+        if data["modules"].get(module, {}).get("seconds") is not None:
+            return data
+        assert time.monotonic() < deadline, f"the zygote never learned {module}"
+        time.sleep(0.1)
+
+
 def test_a_step_teaches_the_next_zygote(learn_site):
     site, project, env, log = learn_site
     code = "import slow_a, local_helper; print('ok')"
@@ -193,15 +205,8 @@ def test_a_module_whose_import_warns_or_prints_is_never_learned(tmp_path):
     launcher = Launcher(["json"], project=str(project))
     try:
         launcher.run([PY, "-c", "import warns_mod, chatty, quiet_mod"], env=env, cwd=str(project))
-        from preload_launcher.zygote import learn
-        deadline = time.monotonic() + 60
-        while True:  # the zygote learns while idle: quiet_mod comes last, in the same pass
-            data = learn.Profile(str(tmp_path / "cache"), learn.profile_key(str(project)),
-                                 str(project)).data
-            if data["modules"].get("quiet_mod", {}).get("seconds") is not None:
-                break
-            assert time.monotonic() < deadline, "the zygote never learned quiet_mod"
-            time.sleep(0.1)
+        # the zygote learns while idle: quiet_mod comes last, in the same pass
+        data = profile_once_learned(tmp_path / "cache", project, "quiet_mod")
         for args in (strict, [PY, "-c", "import chatty"]):
             fresh = plain(args, env=env, cwd=str(project))
             forked = launcher.run(args, env=env, cwd=str(project))
@@ -237,18 +242,11 @@ def test_a_module_that_is_not_learned_left_nothing_of_its_import_in_the_zygote(t
     env = dict(os.environ, PYTHONPATH=str(site), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("PRELOAD_LAUNCHER_LEARN", None)
     from conftest import plain
-    from preload_launcher.zygote import learn
     launcher = Launcher(["json", "registry"], project=str(project))
     try:
         launcher.run([PY, "-c", "import noisy, quiet_mod"], env=env, cwd=str(project))
-        deadline = time.monotonic() + 60
-        while True:  # the zygote learns while idle: quiet_mod comes after noisy, in one pass
-            data = learn.Profile(str(tmp_path / "cache"), learn.profile_key(str(project)),
-                                 str(project)).data
-            if data["modules"].get("quiet_mod", {}).get("seconds") is not None:
-                break
-            assert time.monotonic() < deadline, "the zygote never learned quiet_mod"
-            time.sleep(0.1)
+        # the zygote learns while idle: quiet_mod comes after noisy, in one pass
+        data = profile_once_learned(tmp_path / "cache", project, "quiet_mod")
         assert set(data["unlearnable"]) == {"noisy"}
         args = [PY, "-c", "import registry; print(registry.ENTRIES)"]
         fresh, forked = plain(args, env=env, cwd=str(project)), launcher.run(

@@ -169,11 +169,11 @@ class Profile:
             out.append(name)
         return out
 
-    def kept_before(self) -> set[str]:
+    def kept_before(self) -> frozenset[str]:
         """Modules a zygote of this profile imported and kept (their cost is recorded): no
         child needs to try them again (``tryout``)."""
-        return {name for name, entry in self.data["modules"].items()
-                if entry.get("seconds") is not None}
+        return frozenset(name for name, entry in self.data["modules"].items()
+                         if entry.get("seconds") is not None)
 
     def adopt(self, modules: list[str]) -> None:
         """Take modules another machine learned (a portable profile) as if seen once here."""

@@ -225,7 +225,7 @@ class Preloader:
         limits = threads.preload_limits() if modules else contextlib.nullcontext()
         with limits, import_graph.recording():
             summary, dirty = preload_learned(modules, self.probe, budget, keep_going, self.blocker,
-                                             frozenset(self.profile.kept_before()))
+                                             self.profile.kept_before())
         self.profile.leave_to_steps(summary["guards_deferred"])  # not tried again later
         failed = summary.pop("failed_modules")
         for module in failed:  # what the zygote cannot import goes
