@@ -209,6 +209,19 @@ while [ $# -gt 0 ]; do
       probe compile_steady_$way $MO:$HF env TORCHINDUCTOR_CACHE_DIR=/tmp/cs-$way/inductor \
         TRITON_CACHE_DIR=/tmp/cs-$way/triton "${run[@]}"
     done; shift ;;
+  # where the HF lanes' preload time goes (2026-12-05: 33.5 s, against 20.1 s on 2026-12-03): the
+  # same imports plainly, then a zygote's preload from an empty launcher cache with each module's
+  # time (doctor), then both again on a warm page cache
+  preload-time)
+    mods=torch,transformers,accelerate,datasets,modelopt.torch
+    for pass in 1 2; do
+      probe import_plain_$pass $MO:$HF python3 -c "import time; t = time.perf_counter()
+import ${mods//,/, }
+print(f'plain import of $mods: {time.perf_counter() - t:.1f} s')"
+      rm -rf /tmp/pl-cache-$pass
+      probe preload_doctor_$pass $MO:$HF env PRELOAD_LAUNCHER_CACHE_DIR=/tmp/pl-cache-$pass \
+        python3 -m preload_launcher.cli doctor --preload $mods
+    done; shift ;;
   split-te) split_te "$2" "$3"; shift 3 ;;
   prepare-bridge) prepare_bridge; shift ;;
   prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
