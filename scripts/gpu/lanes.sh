@@ -222,6 +222,25 @@ print(f'plain import of $mods: {time.perf_counter() - t:.1f} s')"
       probe preload_doctor_$pass $MO:$HF env PRELOAD_LAUNCHER_CACHE_DIR=/tmp/pl-cache-$pass \
         python3 -m preload_launcher.cli doctor --preload $mods
     done; shift ;;
+  # the same preload sampled (the zygote and its scouts: an empty cache scouts every entry),
+  # then again on the cache it filled (no entry scouted); what one driver probe costs (the
+  # zygote runs one after every import statement while it preloads)
+  preload-profile)
+    mods=torch,transformers,accelerate,datasets,modelopt.torch
+    rm -rf /tmp/pl-cache-p && mkdir -p "$OUTDIR"
+    probe preload_sampled $MO:$HF env PRELOAD_LAUNCHER_CACHE_DIR=/tmp/pl-cache-p \
+      py-spy record --subprocesses --idle --format raw --rate 100 -o "$OUTDIR/preload_samples.txt" \
+      -- python3 -m preload_launcher.cli doctor --preload $mods
+    gzip -9f "$OUTDIR/preload_samples.txt"
+    probe preload_known $MO:$HF env PRELOAD_LAUNCHER_CACHE_DIR=/tmp/pl-cache-p \
+      python3 -m preload_launcher.cli doctor --preload $mods
+    probe driver_probe_cost "" python3 -c "import time
+from preload_launcher.cuda import DriverProbe
+probe, n = DriverProbe(), 100000
+t = time.perf_counter()
+for _ in range(n): probe.initialized()
+print(f'DriverProbe.initialized: {(time.perf_counter() - t) / n * 1e6:.2f} us a call ({probe._lib})')"
+    shift ;;
   split-te) split_te "$2" "$3"; shift 3 ;;
   prepare-bridge) prepare_bridge; shift ;;
   prepare-nvrx) prepare_nvrx "$2"; shift 2 ;;  # a clone or mirror of NVIDIA/nvidia-resiliency-ext
