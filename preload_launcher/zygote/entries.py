@@ -153,14 +153,16 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
                     kept_before: frozenset = frozenset()) -> tuple[dict, Optional[EntryReport]]:
     """Import learned modules until the time budget is spent or ``keep_going()`` says stop;
     stop at the first dirty one. Each is imported in a child first (``tryout``; not those a
-    zygote imported and kept before, ``kept_before``): one that warns or prints at import,
-    reaches pytest, tries a deferred package (``blocker``) or fails there is never imported
-    here.
+    zygote imported and kept before, ``kept_before``): one that leaves the child unfit to fork,
+    warns or prints at import, reaches pytest, tries a deferred package (``blocker``) or fails
+    there is never imported here.
 
-    Returns a summary (with each module's cost) and, when one made the process unfit to fork,
-    its report."""
+    Returns a summary (with each module's cost, and the modules whose import left the child
+    unfit to fork, with their verdicts: ``dirty``) and, when one made this process unfit to fork
+    all the same, its report."""
     summary = {"listed": len(modules), "loaded": 0, "failed": 0, "over_budget": 0, "seconds": 0.0,
-               "costs": {}, "guards_deferred": [], "failed_modules": [], "unlearnable": {}}
+               "costs": {}, "guards_deferred": [], "failed_modules": [], "unlearnable": {},
+               "dirty": {}}
     start = time.perf_counter()
     dirty = None
     with cuda_safe_imports():
@@ -168,6 +170,8 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
             if module in sys.modules:
                 summary["loaded"] += 1
                 continue
+            if top_level(module) in {top_level(m) for m in summary["dirty"]}:
+                continue  # its package is refused already (the same __init__ chain)
             if time.perf_counter() - start >= budget:
                 summary["over_budget"] = len(modules) - i
                 break
@@ -205,7 +209,9 @@ def preload_learned(modules: list[str], probe: DriverProbe, budget: float,
 
 
 def _note_ruled_out(summary: dict, module: str, tried: dict) -> None:
-    if "deferred" in tried:
+    if "dirty" in tried:
+        summary["dirty"][module] = tried["dirty"]
+    elif "deferred" in tried:
         summary["guards_deferred"].append(module)
     elif "unlearnable" in tried:
         summary["unlearnable"][module] = tried["unlearnable"]

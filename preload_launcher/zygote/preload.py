@@ -136,6 +136,7 @@ class Preloader:
                 self.quarantine(report.entries[-1], report.dirty_entry)
             if self.config.learn:
                 report.learned = self.preload_learned()
+                self.note_refused(report)
         report.deferred = self.deferred()
         report.hints = {key: "re-verifying" for key in self.hints}
         self.note_env_reads(report, keys | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV)
@@ -237,6 +238,12 @@ class Preloader:
         for module, why in summary["unlearnable"].items():
             self.log("not learning %s: it %s", module, why)
             self.profile.refuse(module, why)
+        for module, verdict in summary.pop("dirty").items():  # found in a child: no restart
+            key = LEARNED + top_level(module)
+            self.log("not learning %s: %s in a child (culprit %s)", module, verdict["reason"],
+                     verdict["culprit"])
+            self.cache.put(key, verdict)
+            self.skip[key] = verdict
         if summary["imported"] or summary["unlearnable"] or summary["guards_deferred"] or failed:
             self.profile.save()
         if dirty is not None:
@@ -255,6 +262,11 @@ class Preloader:
                 return self.learn(idle, changed=merged > 0)
             finally:
                 self.note_env_reads(report, set(keys) | import_graph.families())
+                self.note_refused(report)
+
+    def note_refused(self, report: PreloadReport) -> None:
+        """Learned packages refused by this zygote's own checks join the report's quarantine."""
+        report.quarantined.update({k: v for k, v in self.skip.items() if k.startswith(LEARNED)})
 
 
 def freeze_image() -> None:

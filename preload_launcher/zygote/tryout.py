@@ -5,7 +5,10 @@ deferred package, or fails) cannot be taken back once imported: taking its modul
 ``sys.modules`` leaves what their code did to the modules that stay (modelopt's export modules
 each register their modes in a registry of ``modelopt.torch.opt``, which a step would then find
 there, once more for every retry). So the zygote runs a learned import only after a child of it
-ran the same import, from the same state, and found nothing that rules it out.
+ran the same import, from the same state, and found nothing that rules it out. A child the
+import left unfit to fork (the CUDA driver initialised, a thread started) says so too, with the
+culprit: the zygote refuses the module's package as if its own import had found it, without
+dirtying itself and restarting.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Optional
 from ..cuda import DriverProbe
 from ..step import runtime
 from . import learn
-from .culprits import import_entry
+from .culprits import import_entry, is_dirty, verdict_for
 from .deferral import Blocker
 
 __all__ = ["try_import"]
@@ -30,9 +33,9 @@ TIMEOUT_S = 300.0  # a child silent this long is killed: its module is not learn
 
 def try_import(module: str, probe: DriverProbe, blocker: Optional[Blocker]) -> dict:
     """What importing ``module`` did in a child of this process: ``{}`` when the zygote may
-    import it (a child that made itself unfit to fork too: the zygote's own import then finds
-    the culprit as it always has), else one of ``{"unlearnable": why}``, ``{"deferred": True}``
-    (it tried a deferred package) or ``{"failed": why}``."""
+    import it, else one of ``{"dirty": verdict}`` (it left the child unfit to fork; the verdict
+    names the culprit), ``{"unlearnable": why}``, ``{"deferred": True}`` (it tried a deferred
+    package) or ``{"failed": why}``."""
     read_end, write_end = os.pipe()
 
     def child() -> int:
@@ -42,8 +45,10 @@ def try_import(module: str, probe: DriverProbe, blocker: Optional[Blocker]) -> d
         before = set(sys.modules)
         with learn.ImportEffects() as effects:
             entry = import_entry(module, probe)
-        if blocker is not None and len(blocker.stacks) > blocked_before:
-            found: dict = {"deferred": True}
+        if is_dirty(entry):
+            found: dict = {"dirty": verdict_for(entry)}
+        elif blocker is not None and len(blocker.stacks) > blocked_before:
+            found = {"deferred": True}
         elif not entry.ok:
             found = {"failed": (entry.error or "import failed")[:200]}
         else:
