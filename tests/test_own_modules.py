@@ -110,6 +110,22 @@ def test_a_namespace_folder_does_not_shadow_and_a_pythonpath_file_does(site, tmp
         launcher.close()
 
 
+def test_a_folder_made_after_the_preload_is_searched_as_at_a_fresh_start(site, tmp_path):
+    root, env = site
+    later = tmp_path / "later"  # on PYTHONPATH, missing while the zygote imports
+    env = dict(env, PYTHONPATH=f"{later}{os.pathsep}{root}")
+    code = "NAMES = ['late_mod']\n" + SHOW
+    launcher = Launcher(["fakelib"], project=str(tmp_path))
+    try:
+        launcher.zygote_for(env)
+        write(later, {"late_mod.py": "WHO = 'later'\n"})
+        ours, fresh = both(launcher, [PY, "-c", code], env, tmp_path)
+        assert ours.returncode == fresh.returncode == 0, ours.stdout
+        assert ours.stdout == fresh.stdout == f"late_mod {later / 'late_mod.py'} later\n"
+    finally:
+        launcher.close()
+
+
 def test_a_deferred_package_is_the_steps_own_where_it_has_one(tmp_path):
     root = tmp_path / "site"
     write(root, {
