@@ -325,6 +325,7 @@ class Zygote(ZygoteRequests):
         self.ending_steps = self.ending_steps or steps_too
 
     def reap(self) -> None:
+        reaped = False  # a SIGCHLD may be a tryout's or a scout's, reaped where it was forked
         while True:
             try:
                 info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
@@ -339,12 +340,14 @@ class Zygote(ZygoteRequests):
             if not getattr(self.steps.get(info.si_pid), "standin", False):
                 runtime.signal_group(info.si_pid, signal.SIGKILL)
             _, status = os.waitpid(info.si_pid, 0)
+            reaped = True
             if self.warm:
                 self.warm.reaped(info.si_pid)
             self.report_exit(info.si_pid, os.waitstatus_to_exitcode(status))
             if self.gpus and self.gpus.release(info.si_pid):
                 self.start_granted()
-        self.learn_due = bool(self.learn_reports_dir)
+        if reaped:  # a step ended: what it imported may be worth learning
+            self.learn_due = bool(self.learn_reports_dir)
         self.restart_if_idle()
 
     def report_stop(self, pid: int) -> None:
