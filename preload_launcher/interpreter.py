@@ -18,11 +18,12 @@ from .settings import THREAD_ENV
 
 __all__ = ["env_flag", "env_value", "startup_flags", "zygote_flags", "flags_differ", "import_env_mismatch",
            "startup_mismatch",
-           "FLAG_PREFIX",
+           "FLAG_PREFIX", "USER_SITE_KEY", "user_site", "zygote_user_site", "take_user_base",
            "apply_locale", "ctype_is_c_like", "step_base_path"]
 
 ZYGOTE_CWD = "/"  # where a zygote starts, resolving relative PYTHONPATH entries against it
 FLAG_PREFIX = "sys.flags."  # how start-up flags are named among a zygote's import environment
+USER_SITE_KEY = "site.USER_SITE"  # the user site-packages on sys.path, among the same
 
 # Locales where python defaults stdio errors to surrogateescape (its coercion targets too).
 C_LIKE_LOCALES = ("C", "POSIX", "C.UTF-8", "C.utf8", "UTF-8")
@@ -96,6 +97,48 @@ def flags_differ(recorded: Mapping[str, Optional[int]], env: Mapping[str, str]) 
             if key.startswith(FLAG_PREFIX) and wanted.get(key[len(FLAG_PREFIX):], value) != value]
 
 
+def _user_base(env: Mapping[str, str]) -> str:
+    """``site.USER_BASE`` of a fresh interpreter started with ``env`` (site's rule on posix:
+    ``PYTHONUSERBASE``, else ``~/.local`` with ``HOME``'s ``~``)."""
+    base = env.get("PYTHONUSERBASE")
+    if base:
+        return base
+    home = env.get("HOME") or os.path.expanduser("~")  # (unset: the password database's)
+    return os.path.join(home, ".local")
+
+
+def user_site(env: Mapping[str, str]) -> Optional[str]:
+    """The user site-packages folder a fresh interpreter started with ``env`` puts on
+    ``sys.path`` (None: none), by site's rules (not this process's own ``-s``: a stand-in runs
+    with ``-I``)."""
+    import site
+    folder = site._get_path(_user_base(env))  # type: ignore[attr-defined]
+    enabled = (not env.get("PYTHONNOUSERSITE") and os.geteuid() == os.getuid()
+               and os.getegid() == os.getgid())
+    return folder if enabled and os.path.isdir(folder) else None
+
+
+def zygote_user_site() -> Optional[str]:
+    """This interpreter's user site-packages folder, if its start put one on ``sys.path``."""
+    import site
+    return site.USER_SITE if site.ENABLE_USER_SITE and site.USER_SITE in sys.path else None
+
+
+def take_user_base() -> None:
+    """In a step (its environment in place): ``site``'s and ``sysconfig``'s user base as a
+    fresh start computes it from ``HOME``/``PYTHONUSERBASE`` (``pip install --user`` installs
+    there). Whether a user site is on ``sys.path`` keys the zygote (``USER_SITE_KEY``)."""
+    import site
+    base = _user_base(os.environ)
+    if base == site.USER_BASE:
+        return
+    site.USER_BASE, site.USER_SITE = base, site._get_path(base)  # type: ignore[attr-defined]
+    import sysconfig
+    config = getattr(sysconfig, "_CONFIG_VARS", None)
+    if config and "userbase" in config:  # worked out already: cached, as in the zygote
+        config["userbase"] = base
+
+
 def env_value(env: Mapping[str, str], key: str) -> Optional[str]:
     """``key``'s value in ``env``; for a family ``X*`` (``settings.NATIVE_ENV``), every variable
     named X... (thread counts aside) as one string, None when there is none."""
@@ -115,10 +158,12 @@ def import_env_mismatch(import_env: Mapping[str, Optional[str]], env: Mapping[st
     default (``envreads.read_default``), may hold that value (``set_while_importing``)."""
     flags = FLAG_PREFIX
     set_by_imports = set_while_importing or {}
+    user = [USER_SITE_KEY] if (USER_SITE_KEY in import_env
+                               and user_site(env) != import_env[USER_SITE_KEY]) else []
     return sorted([k for k, v in import_env.items()
-                   if not k.startswith(flags) and env_value(env, k) != v
+                   if not k.startswith(flags) and k != USER_SITE_KEY and env_value(env, k) != v
                    and not (v is None and k in set_by_imports and env_value(env, k) == set_by_imports[k])]
-                  + flags_differ(import_env, env))
+                  + flags_differ(import_env, env) + user)
 
 
 def startup_mismatch(env: Mapping[str, str], ctype_locale: Optional[str]) -> list[str]:

@@ -116,3 +116,30 @@ def test_a_step_leaves_the_zygotes_objects_to_the_zygote(tmp_path):
         launcher.close()
     ref = plain([PY, "-c", code], env=env, timeout=120)
     assert [(g.via, g.stdout) for g in got] == [("zygote", ref.stdout)] * 2 == [("zygote", "True\n")] * 2
+
+
+def test_the_temporary_folder_is_the_steps_own_where_a_preloaded_import_settled_it(tmp_path):
+    """tempfile settles its folder at the first ``gettempdir()``; torch._dynamo's import makes
+    that call. A step settles its own from its environment of that moment, as fresh."""
+    (tmp_path / "settles_tmp.py").write_text("import tempfile\nFOLDER = tempfile.gettempdir()\n")
+    zygote_tmp, step_tmp = tmp_path / "zygote-tmp", tmp_path / "step-tmp"
+    zygote_tmp.mkdir()
+    step_tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), TMPDIR=str(zygote_tmp),
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    programs = {  # its own TMPDIR set before tempfile is asked; the module's import asks first
+        "sets_its_own": f"import os\nos.environ['TMPDIR'] = {str(step_tmp)!r}\n"
+                        "import tempfile\nprint(tempfile.gettempdir())\n",
+        "imports_it": f"import os, settles_tmp\nos.environ['TMPDIR'] = {str(step_tmp)!r}\n"
+                      "import tempfile\nprint(settles_tmp.FOLDER, tempfile.gettempdir())\n",
+    }
+    launcher = Launcher(["settles_tmp"])
+    try:
+        for name, code in programs.items():
+            got = launcher.run([PY, "-c", code], env=env, timeout=120)
+            ref = plain([PY, "-c", code], env=env, timeout=120)
+            assert (got.via, got.returncode) == ("zygote", 0), got.stdout
+            assert got.stdout == ref.stdout, name
+        assert ref.stdout == f"{zygote_tmp} {zygote_tmp}\n"  # (the last program's, plainly)
+    finally:
+        launcher.close()

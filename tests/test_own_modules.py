@@ -126,6 +126,63 @@ def test_a_folder_made_after_the_preload_is_searched_as_at_a_fresh_start(site, t
         launcher.close()
 
 
+def test_a_zip_rebuilt_after_the_preload_is_read_as_it_is_now(site, tmp_path):
+    import zipfile
+    root, env = site
+    archive = tmp_path / "lib.zip"
+
+    def build(files):
+        with zipfile.ZipFile(archive, "w") as z:
+            for name, text in files.items():
+                z.writestr(name, text)
+
+    build({"zmod.py": "WHO = 'old'\n"})
+    env = dict(env, PYTHONPATH=f"{archive}{os.pathsep}{root}")
+    code = "NAMES = ['zmod', 'znew']\n" + SHOW
+    launcher = Launcher(["fakelib"], project=str(tmp_path))
+    try:
+        launcher.zygote_for(env)  # its zip importer has read the archive's table of contents
+        build({"aaa.py": "#" * 100 + "\n", "zmod.py": "WHO = 'new'\n", "znew.py": "WHO = 'new'\n"})
+        ours, fresh = both(launcher, [PY, "-c", code], env, tmp_path)
+        assert ours.returncode == fresh.returncode == 0, ours.stdout
+        assert ours.stdout == fresh.stdout
+        assert f"zmod {archive / 'zmod.py'} new" in ours.stdout
+    finally:
+        launcher.close()
+
+
+def test_the_user_site_is_the_one_the_steps_home_gives(site, tmp_path):
+    """``HOME`` places the user base (where ``pip install --user`` goes) and the user
+    site-packages folder, which is on ``sys.path`` when it exists."""
+    import sys
+    root, env = site
+    home_a, home_b = tmp_path / "home-a", tmp_path / "home-b"
+    home_a.mkdir()
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    user_site = home_b / ".local" / "lib" / version / "site-packages"
+    env = dict(env, HOME=str(home_a))
+    env.pop("PYTHONUSERBASE", None)
+    env.pop("PYTHONNOUSERSITE", None)
+    code = ("import site, sys, sysconfig\n"
+            "print(site.USER_BASE, site.USER_SITE, sysconfig.get_config_var('userbase'))\n"
+            "print(site.USER_SITE in sys.path)\n"
+            "try:\n    import usermod\n    print(usermod.WHO)\nexcept ImportError as e:\n    print(e)\n")
+    launcher = Launcher(["fakelib"], project=str(tmp_path))  # (an import reading HOME keys it)
+    try:
+        launcher.zygote_for(env)
+        step_env = dict(env, HOME=str(home_b))  # no user site in either home yet
+        ours, fresh = both(launcher, [PY, "-c", code], step_env, tmp_path)
+        assert ours.stdout == fresh.stdout
+        assert f"{home_b / '.local'} {user_site} {home_b / '.local'}" in ours.stdout
+        write(user_site, {"usermod.py": "WHO = 'user site'\n"})  # now the step's home has one
+        ours = launcher.run([PY, "-c", code], env=step_env, cwd=str(tmp_path))
+        fresh = plain([PY, "-c", code], env=step_env, cwd=str(tmp_path))
+        assert ours.stdout == fresh.stdout and "user site" in ours.stdout
+        assert ours.via != "zygote" or launcher.zygote_for(step_env) is not launcher.zygote_for(env)
+    finally:
+        launcher.close()
+
+
 def test_a_deferred_package_is_the_steps_own_where_it_has_one(tmp_path):
     root = tmp_path / "site"
     write(root, {

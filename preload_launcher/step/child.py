@@ -63,10 +63,12 @@ def apply_interpreter_options(target: PythonTarget, base_path: list[str]) -> Non
                                            interpreter.ZYGOTE_CWD, os.getcwd())
     sys.path[:] = ([path0] if path0 is not None else []) + list(base_path)
     # A fresh interpreter finds what is on disk when it starts; the zygote's finders hold the
-    # folders as they were when it imported (one missing then is cached as having no finder,
-    # and never searched again). importlib's own reset: its caches, metadata's included.
-    sys.path_importer_cache.clear()
+    # folders and zips as they were when it imported (a folder missing then is cached as having
+    # no finder, and never searched again). importlib's own reset first (its finders' caches, a
+    # zip's table of contents, metadata's), then no finder at all, as at a fresh start.
     importlib.invalidate_caches()
+    sys.path_importer_cache.clear()
+    interpreter.take_user_base()
     sys.argv = [target.value if target.kind == "script" else f"-{target.kind[0]}", *target.args]
     if target.executable:
         sys.executable = target.executable

@@ -9,13 +9,15 @@ step that never imports torch would see torch's filters (and python's
 
 In the zygote (``recording``): each registration a module's import makes is recorded as the call
 it was, against the module being imported, in the order made: ``warnings._add_filter`` (what
-``filterwarnings`` and ``simplefilter`` call), ``atexit.register`` and ``os.environ[key] =``
+``filterwarnings`` and ``simplefilter`` call), ``atexit.register``, ``os.environ[key] =``
 (inductor's ``TORCHINDUCTOR_CACHE_DIR``: a step that never imports it, and the processes it
-starts, must not have it; replayed unless the step has set it). A filter set inside a
-``catch_warnings`` block goes to that block's own list (which the block discards) and is not
-recorded. In a step (``start_fresh``, before its own options apply): the filters are the
-zygote's before its preload (python's defaults and ``PYTHONWARNINGS``, on which a zygote and its
-steps agree) and the recorded exit handlers are unregistered; handing modules back
+starts, must not have it; replayed unless the step has set it) and the first
+``tempfile.gettempdir()``, which settles the temporary folder once, from ``TMPDIR`` of that
+moment (torch._dynamo's import asks for it). A filter set inside a ``catch_warnings`` block goes
+to that block's own list (which the block discards) and is not recorded. In a step
+(``start_fresh``, before its own options apply): the filters are the zygote's before its
+preload (python's defaults and ``PYTHONWARNINGS``, on which a zygote and its steps agree), the
+recorded exit handlers are unregistered and the temporary folder is unsettled; handing modules back
 (``bring_back``) replays their calls, in their order, after what the step has registered itself.
 
 Filters are reset only where replaying every recorded call on the zygote's starting filters
@@ -41,6 +43,7 @@ import itertools
 import logging
 import os
 import sys
+import tempfile
 import time
 import warnings
 import weakref
@@ -59,6 +62,7 @@ _loggers: dict[str, list[str]] = {}  # module -> the loggers its import made, by
 _hidden: dict[str, logging.Logger] = {}  # in a step: preloaded loggers it has not made yet
 _manager = logging.Logger.manager
 env_set_by_modules: set[str] = set()  # variables a recorded import set (replayed with it)
+_tempdir_by_import = False  # a preloaded import made tempfile settle its folder (``recording``)
 _get_logger = type(_manager).getLogger.__get__(_manager)  # python's own
 
 
@@ -126,6 +130,7 @@ def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
             env_set_by_modules.add(key)
 
     warnings._add_filter = recording_add_filter  # type: ignore[attr-defined]
+    tempfile._get_default_tempdir = _recording_tempdir(importing)  # type: ignore[attr-defined]
     atexit.register, _recorder = _register, record
     environ_type.__setitem__ = recording_set_item
     outer = _manager.__dict__.get("getLogger")  # an enclosing recording's (learned modules)
@@ -134,12 +139,30 @@ def recording(importing: Callable[[object], Optional[str]]) -> Iterator[None]:
         yield
     finally:
         warnings._add_filter = add  # type: ignore[attr-defined]
+        tempfile._get_default_tempdir = tempfile._get_default_tempdir.__wrapped__  # type: ignore
         atexit.register, _recorder = _real_register, None
         environ_type.__setitem__ = set_item
         if outer is None:
             del _manager.getLogger
         else:
             _manager.getLogger = outer
+
+
+def _recording_tempdir(importing: Callable[[object], Optional[str]]) -> Callable[[], str]:
+    """What ``tempfile.gettempdir()`` caches on its first call, from ``TMPDIR`` & co. of that
+    moment: made by an import, the call is made again when a step imports that module."""
+    default_tempdir = tempfile._get_default_tempdir  # type: ignore[attr-defined]
+
+    @functools.wraps(default_tempdir)
+    def recording_default_tempdir():
+        global _tempdir_by_import
+        found = default_tempdir()
+        module = importing(sys._getframe(1))
+        if module is not None:
+            _calls.setdefault(module, []).append((next(_sequence), tempfile.gettempdir, (), {}))
+            _tempdir_by_import = True
+        return found
+    return recording_default_tempdir
 
 
 _set_now: dict[str, str] = {}  # what the replay in progress set
@@ -178,6 +201,8 @@ def start_fresh() -> None:
         warnings._filters_mutated()  # type: ignore[attr-defined]
     for func in _exit_handlers:
         atexit.unregister(func)
+    if _tempdir_by_import:  # settled again from the step's environment at its first use
+        tempfile.tempdir = None
     # Every finalizer alive now finalises a zygote object: none runs at the step's exit
     # (torch.library's ~30 ms; a preloaded module's temporary folder, the zygote's own).
     for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]

@@ -144,6 +144,7 @@ class Preloader:
         # And what sys.flags fixed at start-up from the environment (-O, dev mode, UTF-8, ...).
         report.import_env.update({interpreter.FLAG_PREFIX + k: v
                                   for k, v in interpreter.zygote_flags().items()})
+        report.import_env[interpreter.USER_SITE_KEY] = interpreter.zygote_user_site()
         return report
 
     def note_env_reads(self, report: PreloadReport, keys: set[str]) -> None:
