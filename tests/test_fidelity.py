@@ -98,6 +98,15 @@ def test_exit_statuses_are_pythons(light, code):
     same_run(light, [PY, "-c", f"import os, sys\n{code}"])
 
 
+@pytest.mark.parametrize("source", ["def f(:\n", "if True:\nx = 1\n"])
+def test_a_script_that_does_not_compile_is_reported_as_python_does(light, tmp_path, source):
+    """No traceback: none of the program ran (a SyntaxError, an IndentationError)."""
+    script = tmp_path / "broken.py"
+    script.write_text(source)
+    ref, _ = same_run(light, [PY, str(script)])
+    assert ref.returncode == 1 and "Traceback" not in ref.stdout
+
+
 def test_the_exit_status_rule_is_pythons():
     from preload_launcher.step.runtime import exit_status_of
     for code in (None, 0, 1, -1, 255, 256, 300, -300, 2**31, 2**63, -2**63 - 1, True, False):

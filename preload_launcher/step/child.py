@@ -125,6 +125,9 @@ def run_target(target: PythonTarget) -> int:
                 print(f"{target.prog}: can't open file {main.__file__!r}: "
                       f"[Errno {err.errno}] {err.strerror}", file=sys.stderr)
                 return 2
+            except SyntaxError as err:  # python reports it with no traceback: nothing ran
+                err.__traceback__ = None
+                raise
             exec(code, main.__dict__)
         else:
             _show_code_in_tracebacks(target.value)
