@@ -9,6 +9,7 @@ process (``startup_mismatch`` in the child says why).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -114,8 +115,27 @@ def user_site(env: Mapping[str, str]) -> Optional[str]:
     import site
     folder = site._get_path(_user_base(env))  # type: ignore[attr-defined]
     enabled = (not env.get("PYTHONNOUSERSITE") and os.geteuid() == os.getuid()
-               and os.getegid() == os.getgid())
+               and os.getegid() == os.getgid() and not _venv_without_system_site())
     return folder if enabled and os.path.isdir(folder) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _venv_without_system_site() -> bool:
+    """site's rule: a virtual environment (``pyvenv.cfg`` beside the executable or a folder up)
+    that does not include the system's site-packages has no user site either."""
+    here = os.path.dirname(os.path.abspath(sys.executable))
+    for folder in (here, os.path.dirname(here)):
+        try:
+            with open(os.path.join(folder, "pyvenv.cfg"), encoding="utf-8") as cfg:
+                lines = cfg.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, sep, value = line.partition("=")
+            if sep and key.strip().lower() == "include-system-site-packages":
+                return value.strip().lower() != "true"
+        return False  # (site's default: included)
+    return False
 
 
 def zygote_user_site() -> Optional[str]:

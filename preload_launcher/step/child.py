@@ -126,8 +126,7 @@ def run_target(target: PythonTarget) -> int:
                       f"[Errno {err.errno}] {err.strerror}", file=sys.stderr)
                 return 2
             except SyntaxError as err:  # python reports it with no traceback: nothing ran
-                err.__traceback__ = None
-                raise
+                raise err.with_traceback(None)  # (this frame only, which the handler drops)
             exec(code, main.__dict__)
         else:
             _show_code_in_tracebacks(target.value)
