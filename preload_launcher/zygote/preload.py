@@ -239,12 +239,13 @@ class Preloader:
         for module, why in summary["unlearnable"].items():
             self.log("not learning %s: it %s", module, why)
             self.profile.refuse(module, why)
-        for module, verdict in summary.pop("dirty").items():  # found in a child: no restart
-            key = LEARNED + top_level(module)
+        refused = {}  # found in a child: no restart
+        for module, verdict in summary.pop("dirty").items():
             self.log("not learning %s: %s in a child (culprit %s)", module, verdict["reason"],
                      verdict["culprit"])
-            self.cache.put(key, verdict)
-            self.skip[key] = verdict
+            refused[LEARNED + top_level(module)] = verdict
+        self.cache.update(refused)  # (one write of the cache file for them all)
+        self.skip.update(refused)
         if summary["imported"] or summary["unlearnable"] or summary["guards_deferred"] or failed:
             self.profile.save()
         if dirty is not None:
