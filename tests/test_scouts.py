@@ -66,6 +66,18 @@ def site(tmp_path):
                 f.write(f"late {{os.getpid()}} {{'waited' if zygote_entered() else 'gave up'}}\\n")
             fake_cuinit()
         """,
+        # Three entries on one shared stack, which logs each process that imports it.
+        "shared.py": f"""
+            import os
+            with open({str(log)!r}, 'a') as f:
+                f.write(f"shared {{os.getpid()}}\\n")
+        """,
+        "one.py": "import shared\n", "two.py": "import shared\n", "three.py": "import shared\n",
+        # Two entries, each reaching its own culprit under a guard (modelopt's shape, twice).
+        "optone/__init__.py": "try:\n    import geoone\nexcept ImportError:\n    pass\n",
+        "opttwo/__init__.py": "try:\n    import geotwo\nexcept ImportError:\n    pass\n",
+        "geoone.py": "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n",
+        "geotwo.py": "from preload_launcher.cuda import fake_cuinit\nfake_cuinit()\n",
     })
     env = dict(os.environ, PYTHONPATH=str(root), PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"),
                PRELOAD_LAUNCHER_LEARN="0")
@@ -92,6 +104,34 @@ def test_the_zygote_imports_an_entry_alongside_its_scout(site):
         launcher.close()
 
 
+def test_one_scout_imports_a_shared_stack_once_beside_the_zygote(site):
+    """A scout per entry, each from the start, imported a stack the entries share once per
+    entry, all at the same time as the zygote: one scout serves every entry."""
+    env, log = site
+    launcher, report = start(["one", "two", "three"], dict(env, PRELOAD_LAUNCHER_PROBE="fake"))
+    try:
+        assert report["loaded"] == ["one", "two", "three"]
+        importers = {line.split()[1] for line in log.read_text().splitlines()}
+        assert len(importers) == 2, importers  # the zygote and its scout
+    finally:
+        launcher.close()
+
+
+def test_a_culprit_in_a_later_entry_is_found_by_the_next_scout_without_a_restart(site):
+    """The scout stops at the first entry's culprit; the next entry gets a scout forked from
+    the zygote, the first culprit blocked there, which finds the second."""
+    env, _ = site
+    launcher, report = start(["optone", "opttwo"], dict(env, PRELOAD_LAUNCHER_PROBE="fake"))
+    try:
+        zygote = launcher.zygotes[0]
+        assert report["loaded"] == ["optone", "opttwo"] and not report["quarantined"]
+        assert sorted(report["deferred"]) == ["geoone", "geotwo"]
+        assert "restarting" not in open(zygote.log_path).read()
+        assert not zygote.request("status")["driver_initialized"]
+    finally:
+        launcher.close()
+
+
 @pytest.mark.parametrize("probe", ["fake", ""], ids=["scouted", "unscouted"])
 def test_an_entry_that_crashes_the_interpreter_is_quarantined_and_remembered(site, probe):
     env, _ = site
@@ -104,6 +144,8 @@ def test_an_entry_that_crashes_the_interpreter_is_quarantined_and_remembered(sit
         # A scout's crash costs nothing; without scouts the first zygote dies of it, once.
         assert steps[-1].via == "zygote"
         assert steps[0].via == "zygote" or "code -11" in steps[0].reason
+        if probe:  # the scout died before the zygote ran any of the entry: skipped, no restart
+            assert "restarting" not in open(launcher.zygotes[0].log_path).read()
         report = launcher.zygotes[-1].status["preload"]
         assert report["loaded"] == ["json"]
         assert "SIGSEGV" in report["quarantined"]["crashy"]["reason"]

@@ -15,7 +15,7 @@ from . import learn
 from .crashes import CrashGuard
 from .culprits import EntryReport, import_entry, is_dirty, unguarded_verdict, verdict_key
 from .deferral import Blocker, top_level
-from .scouts import Abandon, Follower, Scouts, ScoutStream
+from .scouts import Abandon, Follower, Scout
 from .tryout import try_import
 from .verdicts import DEFER
 
@@ -70,77 +70,98 @@ def preload(modules: list[str], probe: DriverProbe, skip: dict[str, dict],
     start = time.perf_counter()
     with cuda_safe_imports() as nvml:
         report.nvml_answers = nvml
-        scouts = Scouts([m for m in modules if m not in sys.modules and scout(m)], import_entry,
-                        probe, blocker) if blocker is not None else None
+        scouting = _Scouting(modules, probe, skip, blocker, scout, report)
         try:
-            _import_entries(modules, probe, skip, blocker, scouts, report, log, guard)
+            _import_entries(modules, probe, blocker, scouting, report, log, guard)
         finally:
-            if scouts is not None:
-                scouts.close()
+            scouting.close()
             if guard is not None:
                 guard.close()
     report.seconds = round(time.perf_counter() - start, 3)
     return report
 
 
-def _import_entries(modules: list[str], probe: DriverProbe, skip: dict, blocker: Optional[Blocker],
-                    scouts: Optional[Scouts], report: PreloadReport, log: Callable,
+def _import_entries(modules: list[str], probe: DriverProbe, blocker: Optional[Blocker],
+                    scouting: "_Scouting", report: PreloadReport, log: Callable,
                     guard: Optional[CrashGuard]) -> None:
     for module in modules:
         if _quarantined(module, report.quarantined):
             continue
         log("preloading %s", module)
-        stream = scouts.stream(module) if scouts is not None else None
-        follower = None
-        if stream is not None:
-            scouts.drain()
-            if stream.report is not None or stream.finished:  # it is done already
-                stream.end(killed=stream.report is not None)
-                if not _act_on_scout(stream, skip, blocker, report, started=False):
-                    continue
-            else:
-                follower = Follower(scouts, stream, top_level(module), lambda done: (
-                    _act_on_scout(done, skip, blocker, report, started=True)))
-        if guard is not None:
-            guard.importing(module)
         try:
+            follower = scouting.follower(module)
+            if guard is not None:
+                guard.importing(module)
             entry = import_entry(module, probe, blocker, follower)
         except Abandon as abandoned:
-            report.abandoned = abandoned.key
-            return
-        finally:
-            if stream is not None:
-                stream.end(killed=True)  # the zygote's own import is proven: done with it
+            if abandoned.entered:  # it ran some of the entry: a restart without it
+                report.abandoned = abandoned.key
+                return
+            report.quarantined[module] = abandoned.verdict
+            continue
         report.entries.append(entry)
         if is_dirty(entry):
             report.dirty_entry = module
             return
         if blocker is not None and top_level(entry.missing) in blocker.packages:
-            report.quarantined[module] = unguarded_verdict(entry, skip)
+            report.quarantined[module] = unguarded_verdict(entry, skip=scouting.skip)
 
 
-def _act_on_scout(stream: ScoutStream, skip: dict, blocker: Blocker, report: PreloadReport,
-                  started: bool) -> bool:
-    """What a scout found about its entry, acted on: False when the entry must not be
-    imported. ``started``: the zygote is inside the entry's import already (it cannot take
-    back what it imported: an entry to quarantine, or a culprit it entered, raises ``Abandon``,
-    for a restart without it)."""
-    if stream.verdict is not None:  # it crashed the scout
-        key, verdict = stream.module, stream.verdict
-    else:
-        scouted = EntryReport(**stream.report) if stream.report else None
-        # A culprit behind a package another entry's scout had deferred is blocked already.
-        if scouted is None or not is_dirty(scouted) or scouted.deferrable in blocker.packages:
-            return True
-        key, verdict = verdict_key(scouted, skip)
-    skip[key] = report.found[key] = verdict
-    if key.startswith(DEFER) and key[len(DEFER):] not in sys.modules:
-        blocker.packages.add(key[len(DEFER):])
-        return True
-    if started:
-        raise Abandon(key, verdict)
-    report.quarantined[stream.module] = verdict
-    return False
+class _Scouting:
+    """The scout (``scouts``) of the entries to scout, forked at the first of them and again
+    after one that stopped it; the verdicts it finds, acted on."""
+
+    def __init__(self, modules: list[str], probe: DriverProbe, skip: dict,
+                 blocker: Optional[Blocker], scout: Callable[[str], bool],
+                 report: PreloadReport) -> None:
+        self.modules, self.probe, self.skip, self.blocker = modules, probe, skip, blocker
+        self.wanted = scout
+        self.report = report
+        self.scout: Optional[Scout] = None
+
+    def follower(self, module: str) -> Optional[Follower]:
+        """The zygote's follower of the scout for ``module``; None where it is not scouted or
+        the scout is done with it already (what it found acted on: ``Abandon``, not entered,
+        where the entry must go)."""
+        if self.blocker is None or module in sys.modules or not self.wanted(module):
+            return None
+        if self.scout is not None:
+            self.scout.catch_up(module)
+        if self.scout is None or not self.scout.covers(module):
+            self.close()
+            rest = self.modules[self.modules.index(module):]
+            self.scout = Scout([m for m in rest if not _quarantined(m, self.report.quarantined)],
+                               import_entry, is_dirty, self.probe, self.blocker)
+        self.scout.read(0)
+        outcome = self.scout.outcome(module)
+        if outcome is not None:
+            self.act(module, outcome, entered=False)
+            return None
+        return Follower(self.scout, module, top_level(module),
+                        lambda done, entered: self.act(module, done, entered))
+
+    def act(self, module: str, outcome: tuple, entered: bool) -> None:
+        """What the scout found about ``module``, acted on: a culprit the zygote has not loaded
+        is blocked; otherwise an entry that must go raises ``Abandon``."""
+        scouted, crashed = outcome
+        if crashed is not None:
+            key, verdict = module, crashed
+        else:
+            entry = EntryReport(**scouted) if scouted else None
+            # A culprit behind a package deferred already (by an earlier scout) is blocked.
+            if entry is None or not is_dirty(entry) or entry.deferrable in self.blocker.packages:
+                return
+            key, verdict = verdict_key(entry, self.skip)
+        self.skip[key] = self.report.found[key] = verdict
+        if key.startswith(DEFER) and key[len(DEFER):] not in sys.modules:
+            self.blocker.packages.add(key[len(DEFER):])
+            return
+        raise Abandon(key, verdict, entered)
+
+    def close(self) -> None:
+        if self.scout is not None:
+            self.scout.end(killed=True)
+            self.scout = None
 
 
 def _quarantined(module: str, quarantined: dict) -> bool:

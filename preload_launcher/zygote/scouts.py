@@ -1,20 +1,27 @@
-"""Scouts: on a package set seen for the first time, one forked child per preload entry imports
-that entry alone, ahead of the zygote, and streams what it passed.
+"""The scout: on a package set seen for the first time, a forked child imports the preload
+entries ahead of the zygote, in the zygote's order, and streams what it passed.
 
 A scout reports a checkpoint at the start and at the end of every import that runs new code
-(``s <key>`` / ``e <key>``), each only after checking that the process is still fit to fork;
-at the first checkpoint where it is not (the driver initialised, a Python thread started) it
-stops and sends its report (``r <json>``), naming the culprit and its chain. The zygote imports
-the same entry at the same time and trails its scout checkpoint by checkpoint
-(``Follower``): it runs code only once the scout has run it cleanly, and it enters a new
-top-level package of another distribution only once the scout finished importing it — so a
-culprit to defer is found before the zygote ever starts it, and the zygote blocks it instead.
-Without streaming, the zygote waited for the whole entry (the culprit included) before
-starting it. A scout that dies without a report (a segfault at import) quarantines its entry.
+(``s <key>`` / ``e <key>``), each only after checking that the process is still fit to fork, and
+a report after each entry (``r <json>``; ``q <json>`` where the entry left it unfit). At the first checkpoint where it is not (the driver
+initialised, a Python thread started) it stops, and its report on that entry names the culprit
+and its chain. The zygote imports the same entries at the same time and trails its scout
+checkpoint by checkpoint (``Follower``): it runs code only once the scout has run it cleanly,
+and it enters a new top-level package of another distribution only once the scout finished
+importing it — so a culprit to defer is found before the zygote ever starts it, and the zygote
+blocks it instead.
+
+One scout serves every entry from the first one to scout, so no stack is imported twice beside
+the zygote's own import (a scout per entry, each from the start, imported torch once per entry,
+all at once). It is forked from the zygote itself, so it imports each entry in the state the
+zygote will import it in; after an entry that left it unfit, or a crash, the zygote forks the
+next scout at the next entry, from its own state, the culprit blocked. A scout that dies without
+a report (a segfault at import) quarantines the entry it was in.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import json
 import os
@@ -29,20 +36,21 @@ from ..result import signal_name
 from ..step import runtime
 from .crashes import crash_verdict
 
-__all__ = ["Scouts", "ScoutStream", "Reporter", "Follower", "Abandon", "new_code", "checkpoint_key"]
+__all__ = ["Scout", "Reporter", "Follower", "Abandon", "new_code", "checkpoint_key"]
 
 TIMEOUT_S = 300.0  # a scout that says nothing for this long is killed, and not waited for
-PIPE_SIZE = 1 << 20  # room for a whole entry's checkpoints: a scout never waits for the zygote
+PIPE_SIZE = 1 << 20  # room for many checkpoints: a scout seldom waits for the zygote to read
 
 
 class Abandon(BaseException):
-    """Raised in the zygote inside an entry's import: its scout found that the entry must go
-    (a culprit the zygote can no longer block, or a crash). Not an ``Exception``: library
-    guards (``except Exception``) must not swallow it."""
+    """Raised in the zygote inside an entry's import: its scout found that the entry must go.
+    ``entered``: the zygote ran some of the entry's code, which it cannot take back (a restart
+    without the entry); else the entry is only skipped. Not an ``Exception``: library guards
+    (``except Exception``) must not swallow it."""
 
-    def __init__(self, key: str, verdict: dict) -> None:
+    def __init__(self, key: str, verdict: dict, entered: bool) -> None:
         super().__init__(key)
-        self.key, self.verdict = key, verdict
+        self.key, self.verdict, self.entered = key, verdict, entered
 
 
 class _Stop(BaseException):
@@ -85,18 +93,70 @@ class Reporter:
         os.write(self.fd, f"{kind} {key}\n".encode())
 
 
-class ScoutStream:
-    """The zygote's view of one scout: the checkpoints it passed (in order), its report."""
+class Scout:
+    """The zygote's view of one scout: forked now, it imports ``entries`` in order and stops
+    after the first that leaves it unfit (``is_dirty`` of its report)."""
 
-    def __init__(self, module: str, pid: int, fd: int) -> None:
-        self.module, self.pid, self.fd = module, pid, fd
+    def __init__(self, entries: list[str], import_entry: Callable, is_dirty: Callable,
+                 probe, blocker) -> None:
+        self.entries = list(entries)
         self.seen: dict[str, int] = {}  # "s key"/"e key" -> order of its first report
         self.ended: set[str] = set()  # modules whose import the scout finished cleanly
         self.count = 0
-        self.report: Optional[dict] = None  # the EntryReport, as sent
-        self.verdict: Optional[dict] = None  # set when it died without a report
+        self.reports: dict[str, dict] = {}  # entry -> its EntryReport, as sent
+        self.stopped = False  # an entry left it unfit ("q …"): it goes no further
+        self.crash: Optional[tuple[str, dict]] = None  # (entry, verdict): it died in that entry
         self.finished = False
         self._buffer = b""
+        report_r, report_w = os.pipe()
+        try:
+            fcntl.fcntl(report_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        except OSError:
+            pass  # the default size: the scout waits for the zygote to read more often
+
+        def scout() -> int:
+            os.close(report_r)
+            runtime.die_with_parent()
+            # The zygote's crash record is the zygote's: a scout's crash is told by its status.
+            faulthandler.disable()
+            reporter = Reporter(report_w, probe)
+            for module in self.entries:
+                entry = import_entry(module, probe, blocker, reporter)
+                last = is_dirty(entry)  # unfit to go on: the zygote forks the next scout
+                line = f"{'q' if last else 'r'} {json.dumps(asdict(entry))}\n"
+                os.write(report_w, line.encode())
+                if last:
+                    break
+            return 0
+
+        self.pid = runtime.fork(scout)
+        os.close(report_w)
+        os.set_blocking(report_r, False)
+        self.fd = report_r
+
+    def catch_up(self, entry: str) -> None:
+        """Wait until the scout is done with the entries before ``entry`` (the zygote imports
+        those it knows without following, so it may be ahead): only then is it known whether
+        the scout goes on to ``entry``. It had to pass them to reach ``entry`` anyway."""
+        earlier = self.entries[:self.entries.index(entry)] if entry in self.entries else []
+        while not (self.finished or self.stopped) and any(e not in self.reports for e in earlier):
+            self.read(TIMEOUT_S)
+
+    def covers(self, entry: str) -> bool:
+        """Can this scout still tell about ``entry``?"""
+        return (entry in self.reports or (self.crash is not None and self.crash[0] == entry)
+                or (entry in self.entries and not self.stopped and not self.finished))
+
+    def outcome(self, entry: str) -> Optional[tuple[Optional[dict], Optional[dict]]]:
+        """(its report, the crash verdict) once the scout is done with ``entry``; None before.
+        (None, None): it went silent, or ended, without telling."""
+        if entry in self.reports:
+            return self.reports[entry], None
+        if self.crash is not None and self.crash[0] == entry:
+            return None, self.crash[1]
+        if self.finished or self.stopped:
+            return None, None
+        return None
 
     def passed(self, checkpoint: str, beyond: bool) -> bool:
         """Has the scout passed ``checkpoint`` (and, with ``beyond``, the next one too)?"""
@@ -121,8 +181,10 @@ class ScoutStream:
         self._buffer = lines.pop()
         for line in lines:
             kind, _, rest = line.decode().partition(" ")
-            if kind == "r":
-                self.report = json.loads(rest)
+            if kind in ("r", "q"):  # (one line: whether it stopped is known with the report)
+                report = json.loads(rest)
+                self.reports[report["module"]] = report
+                self.stopped = kind == "q"
             else:
                 self.seen.setdefault(line.decode(), self.count)
                 self.count += 1
@@ -130,7 +192,8 @@ class ScoutStream:
                     self.ended.update(_modules_of(rest))
 
     def end(self, killed: bool) -> None:
-        """Reap the scout; one that died without a report, not killed by us, crashed."""
+        """Reap the scout; one that died without telling about the entry it was in, and not
+        killed by us, crashed in it."""
         if self.finished:
             return
         self.finished = True
@@ -138,60 +201,25 @@ class ScoutStream:
         runtime.signal_group(self.pid, signal.SIGKILL)
         _, status = os.waitpid(self.pid, 0)
         code = os.waitstatus_to_exitcode(status)
-        if self.report is None and not killed and code != 0:
+        untold = [e for e in self.entries if e not in self.reports]
+        if untold and not self.stopped and not killed and code != 0:
             how = (f"{signal_name(-code)}: {signal.strsignal(-code)}" if code < 0
                    else f"exit status {code}")
-            self.verdict = crash_verdict(self.module, how)
-
-
-class Scouts:
-    """One scout per entry, forked before the zygote imports any of them."""
-
-    def __init__(self, modules: list[str], import_entry: Callable, probe, blocker) -> None:
-        self.streams: dict[str, ScoutStream] = {}
-        for module in modules:
-            report_r, report_w = os.pipe()
-            try:
-                fcntl.fcntl(report_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-            except OSError:
-                pass  # the default size: a scout may wait for the zygote to read
-
-            def scout(module=module, report_r=report_r, report_w=report_w) -> int:
-                os.close(report_r)
-                runtime.die_with_parent()
-                entry = import_entry(module, probe, blocker, Reporter(report_w, probe))
-                os.write(report_w, b"r " + json.dumps(asdict(entry)).encode() + b"\n")
-                return 0
-
-            pid = runtime.fork(scout)
-            os.close(report_w)
-            os.set_blocking(report_r, False)
-            self.streams[module] = ScoutStream(module, pid, report_r)
-
-    def stream(self, module: str) -> Optional[ScoutStream]:
-        return self.streams.get(module)
-
-    def drain(self) -> None:
-        """Read what every scout sent so far, so none waits on a full pipe."""
-        for stream in self.streams.values():
-            stream.read(0)
-
-    def close(self) -> None:
-        for stream in self.streams.values():
-            stream.end(killed=True)
+            self.crash = (untold[0], crash_verdict(untold[0], how))
 
 
 class Follower:
     """The zygote's side of one entry's import: each checkpoint waits for the scout to have
-    passed it (``Reporter``); the scout's report, when it comes, goes to ``on_report``, which
-    blocks a culprit the zygote has not reached, or raises ``Abandon``."""
+    passed it (``Reporter``); the scout's outcome for the entry, when it comes, goes to
+    ``on_outcome``, which blocks a culprit the zygote has not reached, or raises ``Abandon``."""
 
-    def __init__(self, scouts: Scouts, stream: ScoutStream, entry_package: str,
-                 on_report: Callable[[ScoutStream], None]) -> None:
-        self.scouts, self.stream = scouts, stream
+    def __init__(self, scout: Scout, entry: str, entry_package: str,
+                 on_outcome: Callable[[tuple, bool], None]) -> None:
+        self.scout, self.entry = scout, entry
         self.entry_package = entry_package
-        self.on_report = on_report
-        self.settled = False  # the scout is done; the zygote imports on its own from here
+        self.on_outcome = on_outcome
+        self.entered = False  # past the entry's first checkpoint: its code has started
+        self.settled = False  # the scout is done with the entry; the zygote goes on its own
 
     def checkpoint(self, kind: str, key: str, hook) -> None:
         if self.settled:
@@ -199,21 +227,17 @@ class Follower:
         modules = _modules_of(key)
         top = modules[0].partition(".")[0]
         if kind == "s" and top != self.entry_package and top not in sys.modules:
-            ready = lambda: self.stream.ended.issuperset(modules)  # noqa: E731
+            ready = lambda: self.scout.ended.issuperset(modules)  # noqa: E731
         elif kind == "s":  # (the scout may have reached the modules by another statement)
-            ready = lambda: (self.stream.passed(f"s {key}", beyond=True)  # noqa: E731
-                             or self.stream.ended.issuperset(modules))
+            ready = lambda: (self.scout.passed(f"s {key}", beyond=True)  # noqa: E731
+                             or self.scout.ended.issuperset(modules))
         else:
-            ready = lambda: self.stream.passed(f"e {key}", beyond=True)  # noqa: E731
-        self.scouts.drain()
-        while not ready() and not self.stream.finished and self.stream.report is None:
-            self.stream.read(TIMEOUT_S)
-        if self.stream.report is not None or self.stream.finished:
-            self.settle()
-
-    def settle(self) -> None:
-        """The scout reported (or died): act on it once, then follow no more."""
-        if not self.settled:
+            ready = lambda: self.scout.passed(f"e {key}", beyond=True)  # noqa: E731
+        self.scout.read(0)
+        while not ready() and self.scout.outcome(self.entry) is None:
+            self.scout.read(TIMEOUT_S)
+        outcome = self.scout.outcome(self.entry)
+        if outcome is not None:
             self.settled = True
-            self.stream.end(killed=self.stream.report is not None)
-            self.on_report(self.stream)
+            self.on_outcome(outcome, self.entered)
+        self.entered = True
