@@ -129,9 +129,11 @@ class _Scouting:
             self.scout.catch_up(module)
         if self.scout is None or not self.scout.covers(module):
             self.close()
-            rest = self.modules[self.modules.index(module):]
-            self.scout = Scout([m for m in rest if not _quarantined(m, self.report.quarantined)],
-                               import_entry, is_dirty, self.probe, self.blocker)
+            rest = [m for m in self.modules[self.modules.index(module):]
+                    if not _quarantined(m, self.report.quarantined)]
+            # up to the last entry to scout: those after it the zygote imports on its own
+            last = max(i for i, m in enumerate(rest) if self.wanted(m) and m not in sys.modules)
+            self.scout = Scout(rest[:last + 1], import_entry, is_dirty, self.probe, self.blocker)
         self.scout.read(0)
         outcome = self.scout.outcome(module)
         if outcome is not None:
