@@ -93,9 +93,54 @@ def test_the_programs_objects_are_finalised_at_exit(light, tmp_path):
     # Flushing a still-open stdout fails at exit: python says so and exits 120, whatever code.
     "fd = os.open('/dev/full', os.O_WRONLY); os.dup2(fd, 1); print('x')",
     "fd = os.open('/dev/full', os.O_WRONLY); os.dup2(fd, 1); print('x'); sys.exit(3)",
+    # Without a sys.stderr python writes the message to fd 2; a closed one gets the newline.
+    "sys.stderr = None; sys.exit('fatal: config missing')",
+    "sys.stderr.close(); sys.exit('bye')",
+    # A replacement of sys.stdout without `closed` is open to python; one without `flush`
+    # fails at exit (120).
+    "class Tee:\n def __init__(self, s): self.s = s\n def write(self, t): return self.s.write(t)\n"
+    " def flush(self): self.s.flush()\nsys.stdout = Tee(sys.stdout); print('hello')",
+    "class Tee:\n def write(self, t): return sys.__stdout__.write(t)\nsys.stdout = Tee(); print('hello')",
 ])
 def test_exit_statuses_are_pythons(light, code):
     same_run(light, [PY, "-c", f"import os, sys\n{code}"])
+
+
+@pytest.mark.parametrize("ending", ["pass", "raise KeyError('boom')", "sys.exit(3)"])
+def test_a_trace_function_left_set_sees_what_python_runs_at_exit(light, ending):
+    """Python keeps a trace or profile function the program left set for what it runs in
+    Python at exit (the excepthook, thread shutdown, atexit callbacks), and for nothing else."""
+    program = textwrap.dedent(f"""\
+        import atexit, sys
+        calls = []
+        def trace(frame, event, arg):
+            calls.append(frame.f_code.co_name)
+        def profile(frame, event, arg):
+            if event == "call":
+                calls.append("profiled " + frame.f_code.co_name)
+        def hook(*exc):
+            print("hook", exc[0].__name__)
+        sys.excepthook = hook
+        atexit.register(lambda: print("atexit", calls[:]))
+        sys.settrace(trace)
+        sys.setprofile(profile)
+        def work():
+            return 1
+        work()
+        {ending}
+        """)
+    ref, _ = same_run(light, [PY, "-c", program])
+    assert "atexit ['work', 'profiled work'" in ref.stdout
+
+
+def test_an_uncaught_exception_is_kept_in_sys_last_vars(light):
+    """python's ``PyErr_Print`` sets ``sys.last_type`` & co. before the hook: atexit sees them."""
+    program = ("import atexit, sys\natexit.register(lambda: print('atexit sees', "
+               "getattr(sys, 'last_type', None), repr(getattr(sys, 'last_value', None)), "
+               "getattr(sys, 'last_exc', None) is getattr(sys, 'last_value', None)))\n"
+               "raise KeyError('boom')\n")
+    ref, _ = same_run(light, [PY, "-c", program])
+    assert "atexit sees <class 'KeyError'> KeyError('boom')" in ref.stdout
 
 
 @pytest.mark.parametrize("source", ["def f(:\n", "if True:\nx = 1\n"])
@@ -443,6 +488,26 @@ def test_a_signal_the_zygote_ignores_is_not_ignored_for_a_caller_that_does_not()
             for how in ("plain", "launcher")]
     assert outs[0] == "sigint True\n", outs
     assert outs[1].splitlines()[0] == "sigint True" and "via zygote" in outs[1], outs
+
+
+THREADS_AS_PACKAGES_LOAD = """\
+import os
+count = lambda: len(os.listdir("/proc/self/task"))
+before = count()
+import numpy
+with_numpy = count()
+import torch
+print(before, with_numpy, count(), torch.get_num_threads(), torch.get_num_interop_threads())
+"""
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize("omp", [None, "1"])
+def test_thread_pools_start_when_the_step_imports_their_package(torch_launcher, omp):
+    """A pool sized for the step starts its workers then: a fresh interpreter has none before
+    it imports numpy (OpenBLAS's) or torch."""
+    env = fresh_env(**({"OMP_NUM_THREADS": omp} if omp else {}))
+    same_run(torch_launcher, [PY, "-c", THREADS_AS_PACKAGES_LOAD], env=env)
 
 
 @pytest.mark.needs_torch

@@ -110,6 +110,7 @@ def _show_code_in_tracebacks(code: str) -> None:
 def run_target(target: PythonTarget) -> int:
     """Run the target as python's main would; returns the exit code (or ends by signal)."""
     main = _fresh_main(target)
+    uncaught: Optional[BaseException] = None
     try:
         if target.kind == "module" or (target.kind == "script"
                                        and script.is_main_importer(main.__file__)):
@@ -132,13 +133,19 @@ def run_target(target: PythonTarget) -> int:
             _show_code_in_tracebacks(target.value)
             # dont_inherit: the program's code gets none of this module's __future__ features
             exec(compile(target.value, "<string>", "exec", dont_inherit=True), main.__dict__)
-        return 0
-    except SystemExit as exc:
-        return runtime.exit_status_of(exc)
     except BaseException as exc:
-        # Drop this frame so the traceback reads as python's own.
-        exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ else None
         uncaught = exc
+    # The program's code is over: what it left tracing is held from here, inline, before any
+    # call of ours (``program_exit.tracing``).
+    program_exit.tracing = (sys.gettrace(), sys.getprofile())
+    sys.settrace(None)
+    sys.setprofile(None)
+    if uncaught is None:
+        return 0
+    if isinstance(uncaught, SystemExit):
+        return runtime.exit_status_of(uncaught)
+    # Drop this frame so the traceback reads as python's own.
+    uncaught.__traceback__ = uncaught.__traceback__.tb_next if uncaught.__traceback__ else None
     # python hands it to sys.excepthook with no exception being handled
     status, hook_exited = program_exit.report_uncaught(uncaught)
     if isinstance(uncaught, KeyboardInterrupt) and not hook_exited:

@@ -27,7 +27,7 @@ import sys
 from typing import Callable, Optional
 
 from ..interpreter import env_value
-from ..zygote import envreads, import_graph
+from ..zygote import envreads, import_graph, threads
 from . import import_effects, shadowing
 
 __all__ = ["start_fresh", "stop_checking", "known_modules", "attach"]
@@ -126,6 +126,7 @@ class _Restorer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             self.stash.pop("__mp_main__", None)
         self.detach_submodules(names)
         self.start_env.update(import_effects.bring_back(names))  # set by the imports, not the step
+        threads.take_counts({n.partition(".")[0] for n in names})
         return sys.modules[name]
 
     def detach_submodules(self, names: list[str]) -> None:
@@ -178,6 +179,7 @@ def start_fresh(keep: set, on_changed: Callable[[dict[str, str]], None],
     stash = dict(sys.modules)
     sys.modules.clear()
     sys.modules.update({name: stash.pop(name) for name in keep if name in stash})
+    threads.take_counts({n.partition(".")[0] for n in sys.modules})  # held from the start
     _restorer = _Restorer(stash, {**os.environ, **(runner_env or {})}, on_changed)
     sys.meta_path.insert(0, _restorer)
 

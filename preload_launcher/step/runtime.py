@@ -109,13 +109,24 @@ def finish(code: int) -> int:
     """Python's shutdown minus the preloaded modules' teardown: join threads, atexit, flush,
     end ``__main__``'s objects, flush again, report. Returns the exit code for ``exit_with``:
     120 when flushing the output failed, as python does (a code < 0, death by signal, wins)."""
+    sys.settrace(program_exit.tracing[0])  # python runs these traced (``program_exit``)
+    sys.setprofile(program_exit.tracing[1])
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:
+        held = (sys.gettrace(), sys.getprofile())
+        sys.settrace(None)
+        sys.setprofile(None)
         traceback.print_exc()
+        sys.settrace(held[0])
+        sys.setprofile(held[1])
     atexit._run_exitfuncs()
+    program_exit.tracing = (sys.gettrace(), sys.getprofile())
+    sys.settrace(None)
+    sys.setprofile(None)
     flushed = program_exit.flush_std_streams(report=True)
     program_exit.end_main_module()
+    program_exit.restore_std_streams()
     flushed = program_exit.flush_std_streams(report=flushed) and flushed  # python says it once
     if not flushed and code >= 0:
         code = program_exit.FLUSH_FAILED

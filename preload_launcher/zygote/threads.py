@@ -42,7 +42,7 @@ from ..files import read_json, save_json
 from ..settings import THREAD_ENV
 
 __all__ = ["THREAD_ENV", "pin_for_preload", "preload_limits", "pool_libraries", "FreshCounts",
-           "apply_fresh_counts", "describe"]
+           "apply_fresh_counts", "take_counts", "describe"]
 
 # A fresh interpreter's counts: torch's, then each library's pool (argv: the libraries' paths).
 PROBE = """import ctypes, json, sys
@@ -60,6 +60,8 @@ print(json.dumps([*counts, pools]))
 
 _defaults: Optional[list[int]] = None  # (intra, inter) of a fresh process, once torch is here
 _pools: dict = {}  # path: threadpoolctl's controller of each OpenMP/BLAS library loaded here
+# In a step: what each package's pools are to be sized to, until the step takes the package.
+_due: dict[Optional[str], list] = {}
 
 
 def pin_for_preload() -> Optional[list[int]]:
@@ -253,8 +255,8 @@ def _answer(probe: subprocess.Popen) -> Optional[list]:
 def apply_fresh_counts(table: dict[str, list], cpus: Optional[list[int]] = None,
                        pools_too: bool = True) -> None:
     """In a forked step or rank: the thread pools as a fresh interpreter would have them
-    (``cpus``: the caller's CPU set, where it is not the zygote's). Torch's intra-op count
-    goes last: it sizes torch's own OpenMP pool as torch decides. ``pools_too=False``: a
+    (``cpus``: the caller's CPU set, where it is not the zygote's), each set when the step
+    takes the package the pool belongs to (``take_counts``). ``pools_too=False``: a
     launcher that forks its programs (torchrun's agent, accelerate) leaves the pools to them:
     OpenBLAS's workers, once started here, would set how many each restarts (see the top of
     the module)."""
@@ -262,16 +264,44 @@ def apply_fresh_counts(table: dict[str, list], cpus: Optional[list[int]] = None,
     if counts is None:
         return
     intra, inter, pools = counts
+    _due.clear()
     for path, size in pools.items() if pools_too else ():
         lib = _pools.get(path)
         if lib is not None and lib.get_num_threads() != size:
-            lib.set_num_threads(size)
-    torch = sys.modules.get("torch")
-    if torch is None or intra is None:
-        return
-    torch.set_num_threads(intra)
-    if torch.get_num_interop_threads() != inter:
-        torch.set_num_interop_threads(inter)
+            _due.setdefault(_package_of(path), []).append((lib, size))
+    if "torch" in sys.modules and intra is not None:
+        _due.setdefault("torch", []).append(("torch", (intra, inter)))
+    take_counts({None})  # a library outside any package (the system's): now
+
+
+def take_counts(names) -> None:
+    """The counts of the pools of the packages among ``names`` (modules the step takes, as
+    ``module_table`` hands them back), set now: sizing a pool starts its worker threads, which
+    a fresh process that never imports the package does not have (and python 3.12 warns at a
+    fork with threads). Torch's intra-op count goes last: it sizes torch's own OpenMP pool as
+    torch decides."""
+    taking = sorted((top for top in _due if top in names), key=lambda top: top == "torch")
+    for top in taking:
+        for lib, size in _due.pop(top):
+            if lib == "torch":
+                torch = sys.modules["torch"]
+                torch.set_num_threads(size[0])
+                if torch.get_num_interop_threads() != size[1]:
+                    torch.set_num_interop_threads(size[1])
+            else:
+                lib.set_num_threads(size)
+
+
+def _package_of(path: str) -> Optional[str]:
+    """The top-level package whose wheel holds a library (``torch/lib/libgomp.so.1``: torch;
+    ``numpy.libs/libopenblas….so``: numpy); None for one outside ``sys.path`` (the system's)."""
+    folders = [os.path.join(os.path.realpath(entry), "") for entry in sys.path if entry]
+    holding = [folder for folder in folders if path.startswith(folder)]
+    if not holding:
+        return None
+    folder = max(holding, key=len)  # site-packages, not the standard library's folder above it
+    first = path[len(folder):].split(os.sep)[0]
+    return first[:-len(".libs")] if first.endswith(".libs") else first
 
 
 def describe(threads: dict[str, int]) -> list[dict]:
