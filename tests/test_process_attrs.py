@@ -135,6 +135,24 @@ def test_an_oom_score_adj_the_zygote_may_not_lower_to_runs_the_step_plainly():
     assert got == ref and via.startswith("via subprocess") and "oom_score_adj" in via, (got, via)
 
 
+def test_an_oom_score_adj_a_process_may_not_lower_to_is_unforkable():
+    """The refusal above, asked of a throwaway process directly (where no privilege is at hand
+    to set up the caller): -1000, the lowest, needs CAP_SYS_RESOURCE or a floor that low."""
+    code = textwrap.dedent("""\
+        from preload_launcher import process_attrs
+        try:
+            process_attrs.apply(dict(process_attrs.capture(), oom_score_adj=-1000))
+            print("took", open("/proc/self/oom_score_adj").read().strip())
+        except process_attrs.Unforkable as why:
+            print(why)
+        """)
+    out = subprocess.run([PY, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), timeout=60,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if out.stdout == "took -1000\n":
+        pytest.skip("this process may lower oom_score_adj to -1000 (CAP_SYS_RESOURCE)")
+    assert "may not take its caller's oom_score_adj (-1000)" in out.stdout, out.stdout
+
+
 # ---------------------------------------------------------------- scheduling
 
 READ_POLICY = "import os; print(os.sched_getscheduler(0), os.sched_getparam(0).sched_priority)"
