@@ -11,6 +11,7 @@ from typing import Optional
 
 from .. import interpreter, protocol
 from ..command import StepSpec, Unsupported, parse_python_argv
+from ..process_attrs import Unforkable
 from ..launchers import accelerate_launch, agent
 from . import child, native_env, runtime
 
@@ -27,6 +28,9 @@ def become_step(spec_data: dict, fds: list[int], conn_fd: int, state: runtime.Zy
     os.close(old_conn_fd)
     try:
         startup_locale = runtime.set_up(spec, state, fds)
+    except Unforkable as why:  # the caller's own child has what this process cannot take on
+        protocol.send_event(conn_fd, "fallback", retire=False, reason=str(why))
+        return 0
     except OSError as err:
         protocol.send_event(conn_fd, "error", type=type(err).__name__, errno=err.errno,
                             strerror=err.strerror, filename=err.filename)

@@ -319,7 +319,8 @@ def use_spawn_proxy(executable: str) -> None:
 
 def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     """Everything between fork and user code, for a step and for each rank alike: signals,
-    fds, environment, locale, cwd, random seeds. Raises OSError for cwd and stdio problems.
+    fds, environment, locale, cwd, random seeds. Raises OSError for cwd and stdio problems,
+    ``process_attrs.Unforkable`` for a caller's attribute this process cannot take on.
     Returns the LC_CTYPE locale the environment selects (before PEP 538's coercion)."""
     global start_env
     die_with_parent()
