@@ -17,7 +17,8 @@ from .rundir import private_runtime_dir
 
 __all__ = ["DEFAULT_MODULES", "IMPORT_ENV_KEYS", "Settings", "SettingsError", "ZygoteConfig",
            "parse_bool", "preload_modules", "preload_source", "runtime_dir", "QUARANTINE_ENV",
-           "RESTARTED_ENV", "PER_TEST_ENV", "TERMINAL_ENV", "THREAD_ENV", "NATIVE_ENV"]
+           "RESTARTED_ENV", "PER_TEST_ENV", "TERMINAL_ENV", "THREAD_ENV", "NATIVE_ENV",
+           "COVERAGE_ENV_PREFIXES"]
 
 DEFAULT_MODULES = ("torch", "megatron.core", "megatron.bridge", "modelopt.torch")
 
@@ -60,6 +61,9 @@ STEP_ENV = ("PYTHONIOENCODING", "PYTHONUNBUFFERED", "PYTHONCOERCECLOCALE", "PYTH
 # Set per test by pytest: never in a zygote's environment, never import-relevant (torch_geometric
 # allocates CUDA tensors at import when it is set, pyg#10582).
 PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
+# Coverage's: a zygote starts without them (a measured zygote would hand its tracer down), and
+# each step starts coverage as its start-up hook would (``child.start_coverage_if_requested``).
+COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 # The terminal's size: readline exports it once loaded, and a resize changes it, so it differs
 # between a suite's processes for no reason an import cares about. A module that reads it at
 # import (accelerate's menus, through shutil.get_terminal_size) keeps the zygote's reading; the

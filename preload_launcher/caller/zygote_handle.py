@@ -31,7 +31,6 @@ __all__ = ["ZygoteProcess"]
 
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _zygote_ids = itertools.count()
-COVERAGE_ENV_PREFIXES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 
 # The zygote's command line: ``python -u -c BOOTSTRAP PKG_PARENT CONFIG_JSON``. sys.path keeps
 # what a fresh interpreter has (minus sys.path[0], which -P/PYTHONSAFEPATH leaves out), whether
@@ -63,7 +62,7 @@ class ZygoteProcess:
         own = (settings.PER_TEST_ENV + settings.THREAD_ENV + settings.STEP_STARTUP_ENV
                + settings.FRESH_START_ENV)
         self.env = {k: v for k, v in env.items()
-                    if not k.startswith(COVERAGE_ENV_PREFIXES) and k not in own}
+                    if not k.startswith(settings.COVERAGE_ENV_PREFIXES) and k not in own}
         self.settings = Settings.from_env(env)
         self.cache_dir = cache_dir or self.settings.cache_dir
         runtime = settings.runtime_dir()

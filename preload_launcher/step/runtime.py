@@ -60,6 +60,9 @@ class ZygoteState:
     prewarm_cuda: str = "context"  # what a pre-warmed child makes ahead (settings)
     deferred: dict[str, list[dict]] = field(default_factory=dict)  # package -> cut imports
     socket_path: str = ""  # the zygote's own: where this process's programs find it again
+    # What python's start-up code (.pth files, sitecustomize) set (None: deleted) in the zygote;
+    # it agreed with the step on every variable that code read, so a fresh start does the same.
+    env_set_at_startup: dict[str, Optional[str]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- fork and exit
@@ -345,6 +348,11 @@ def set_up(spec: StepSpec, state: ZygoteState, fds: list[int]) -> str:
     start_env = dict(spec.env)
     os.environ.clear()
     os.environ.update(spec.env)
+    for key, value in state.env_set_at_startup.items():  # it ran before any import
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     for key, value in state.env_set_by_preload.items():  # those no preloaded module's import
         if key not in import_effects.env_set_by_modules:  # set (which arrive with it)
             os.environ.setdefault(key, value)

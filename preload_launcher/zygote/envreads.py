@@ -22,7 +22,8 @@ from typing import Callable, Iterator, Optional
 from ..settings import IMPORT_ENV_KEYS, NATIVE_ENV, THREAD_ENV
 from ..step.native_env import REREAD
 
-__all__ = ["read_default", "recording_env_reads", "reporting_reads", "same_to_readers"]
+__all__ = ["note_reads_elsewhere", "read_default", "recording_env_reads", "reporting_reads",
+           "same_to_readers"]
 
 
 class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
@@ -99,6 +100,15 @@ def read_default(key: str) -> Optional[str]:
     if key in _RecordingEnviron.tellers or _read_natively(key):
         return None
     return _RecordingEnviron.defaults.get(key)
+
+
+def note_reads_elsewhere(reads: dict[str, Optional[str]]) -> None:
+    """Take in reads recorded in another process with this one's environment (python's
+    start-up code, ``startup_code``): each variable with what ``read_default`` gave there."""
+    for key, default in reads.items():
+        seen = _RecordingEnviron.defaults.setdefault(key, default)
+        if default is None or seen != default:
+            _RecordingEnviron.tellers.add(key)
 
 
 # What native code reads: python's start-up and the loader, the locale, the thread pools, the

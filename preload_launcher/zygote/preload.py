@@ -32,9 +32,10 @@ from .crashes import CrashGuard, collect_crashes
 from .culprits import EntryReport, is_dirty, verdict_for, verdict_key
 from .deferral import Blocker, top_level
 from .entries import PreloadReport, preload, preload_learned
-from .envreads import read_default, recording_env_reads
+from .envreads import note_reads_elsewhere, read_default, recording_env_reads
 from .profiles import read_profile
 from .staleness import StalenessWatch
+from .startup_code import StartupCode
 from .verdicts import DEFER, LEARNED, SCOUTED, VerdictCache, package_fingerprint
 
 __all__ = ["PreloadReport", "EntryReport", "Preloader", "Quarantined", "preload", "VerdictCache",
@@ -84,8 +85,9 @@ class Preloader:
         self.blocker = Blocker(k[len(DEFER):] for k in self.skip if k.startswith(DEFER))
         self.blocker.entries = frozenset(top_level(m) for m in config.modules)
         sys.meta_path.insert(0, self.blocker)  # for the zygote's whole life
-        self.start_env: dict[str, str] = dict(os.environ)  # what the imports saw (``run``)
+        self.start_env: dict[str, str] = dict(os.environ)  # what it started with (``run``)
         self.env_set_by_preload: dict[str, str] = {}
+        self.env_set_at_startup: dict[str, Optional[str]] = {}  # by start-up code (None: deleted)
         self.learn_reports_dir = ""
         self.profile: Optional[learn.Profile] = None  # set while learning is on
         self.learn_spent_s = 0.0
@@ -120,8 +122,25 @@ class Preloader:
 
     def run(self) -> PreloadReport:
         """Preload; raises ``Quarantined`` when an entry must go. Records which variables the
-        imports read (a zygote serves only steps that agree on them) and which they set."""
-        start_env = self.start_env = dict(os.environ)
+        imports read (a zygote serves only steps that agree on them) and which they set, and
+        the same of python's start-up code."""
+        self.start_env = dict(os.environ)
+        with StartupCode() as startup:  # run again while the preload runs
+            report, keys = self.import_entries()
+            startup_reads = self.note_startup_code(*startup.answer())
+        report.deferred = self.deferred()
+        report.hints = {key: "re-verifying" for key in self.hints}
+        self.note_env_reads(report, keys | startup_reads | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV)
+                            | import_graph.families())
+        # And what sys.flags fixed at start-up from the environment (-O, dev mode, UTF-8, ...).
+        report.import_env.update({interpreter.FLAG_PREFIX + k: v
+                                  for k, v in interpreter.zygote_flags().items()})
+        report.import_env[interpreter.USER_SITE_KEY] = interpreter.zygote_user_site()
+        return report
+
+    def import_entries(self) -> tuple[PreloadReport, set[str]]:
+        """The preload set's entries, then the learned modules: (the report, the variables
+        their imports read)."""
         with threads.preload_limits(), recording_env_reads() as keys, import_graph.recording():
             guard = CrashGuard(self.config.cache_dir, self.cache.fingerprint, known=self.scouted)
             report = preload(self.config.modules, self.probe, self.skip, self.blocker,
@@ -137,15 +156,23 @@ class Preloader:
             if self.config.learn:
                 report.learned = self.preload_learned()
                 self.note_refused(report)
-        report.deferred = self.deferred()
-        report.hints = {key: "re-verifying" for key in self.hints}
-        self.note_env_reads(report, keys | set(IMPORT_ENV_KEYS) | set(NATIVE_ENV)
-                            | import_graph.families())
-        # And what sys.flags fixed at start-up from the environment (-O, dev mode, UTF-8, ...).
-        report.import_env.update({interpreter.FLAG_PREFIX + k: v
-                                  for k, v in interpreter.zygote_flags().items()})
-        report.import_env[interpreter.USER_SITE_KEY] = interpreter.zygote_user_site()
-        return report
+        return report, keys
+
+    def note_startup_code(self, read: dict[str, Optional[str]],
+                          before: dict[str, Optional[str]]) -> set[str]:
+        """What python's start-up code did in this process, seen again (``startup_code``):
+        returns the variables it read, whose one default counts as the preload's would
+        (``envreads.read_default``); ``start_env`` becomes the environment the zygote was
+        started with, before the code changed it, and what it changed is replayed in each
+        step (``env_set_at_startup``, None: deleted) as a fresh start does it."""
+        note_reads_elsewhere(read)
+        self.env_set_at_startup = {k: self.start_env.get(k) for k in before}
+        for key, value in before.items():
+            if value is None:
+                self.start_env.pop(key, None)
+            else:
+                self.start_env[key] = value
+        return set(read)
 
     def note_env_reads(self, report: PreloadReport, keys: set[str]) -> None:
         """Add the variables imports just read to those a step must agree on

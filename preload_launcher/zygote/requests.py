@@ -273,7 +273,8 @@ class ZygoteRequests:
                                    self.settings.prewarm_cuda,
                                    {package: info["cut"] for package, info in
                                     (self.report.deferred if self.report else {}).items()},
-                                   socket_path=self.config.socket_path)
+                                   socket_path=self.config.socket_path,
+                                   env_set_at_startup=self.env_set_at_startup)
 
     def fill_warm_pool(self) -> None:
         if (self.warm and not self.stopping and not self.restart_reason

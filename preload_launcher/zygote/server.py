@@ -54,6 +54,7 @@ class Zygote(ZygoteRequests):
         self.ending_steps = False  # the stop ends the running steps too (else: their callers do)
         self.watch: Optional[StalenessWatch] = None
         self.env_set_by_preload: dict[str, str] = {}
+        self.env_set_at_startup: dict[str, Optional[str]] = {}
         self.learn_reports_dir = ""
         self.warm = WarmPool(config.prewarm_ranks, self.child_state) if config.prewarm else None
         self.restart_reason = ""
@@ -79,6 +80,7 @@ class Zygote(ZygoteRequests):
         except Quarantined as verdict:
             self.restart_without(verdict)
         self.env_set_by_preload = self.preloader.env_set_by_preload
+        self.env_set_at_startup = self.preloader.env_set_at_startup
         self.learn_reports_dir = self.preloader.learn_reports_dir
 
         self.snapshot_signals()  # after preload: handlers that imports install are kept
