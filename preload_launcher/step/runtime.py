@@ -112,17 +112,20 @@ def finish(code: int) -> int:
     """Python's shutdown minus the preloaded modules' teardown: join threads, atexit, flush,
     end ``__main__``'s objects, flush again, report. Returns the exit code for ``exit_with``:
     120 when flushing the output failed, as python does (a code < 0, death by signal, wins)."""
-    sys.settrace(program_exit.tracing[0])  # python runs these traced (``program_exit``)
-    sys.setprofile(program_exit.tracing[1])
+    # python runs these traced (``program_exit``); it waits for threads only where the
+    # program imported threading (its _shutdown is then the program's to see)
+    program_threads = "threading" in sys.modules
+    if program_threads:
+        sys.settrace(program_exit.tracing[0])
+        sys.setprofile(program_exit.tracing[1])
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:
-        held = (sys.gettrace(), sys.getprofile())
         sys.settrace(None)
         sys.setprofile(None)
         traceback.print_exc()
-        sys.settrace(held[0])
-        sys.setprofile(held[1])
+    sys.settrace(program_exit.tracing[0])
+    sys.setprofile(program_exit.tracing[1])
     atexit._run_exitfuncs()
     program_exit.tracing = (sys.gettrace(), sys.getprofile())
     sys.settrace(None)
