@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -55,6 +56,42 @@ def pytest_collection_modifyitems(config, items):
 
 def program(name: str) -> str:
     return os.path.join(PROGRAMS, name)
+
+
+# A caller process that does ``before``, starts its zygote, does ``change`` (its own attributes
+# at call time) and runs ``python -c code`` plainly or through the launcher (then a last line
+# "via …"): the steps' process attributes against a subprocess's.
+CALLER = textwrap.dedent("""\
+    import ctypes, os, resource, subprocess, sys
+    how, modules, code, before, change = sys.argv[1:]
+    libc = ctypes.CDLL(None, use_errno=True)
+    exec(before)  # its zygote starts with what this leaves
+    args = [sys.executable, "-c", code]
+    if how == "launcher":
+        from preload_launcher import Launcher
+        launcher = Launcher(modules.split(","))
+        launcher.run([sys.executable, "-c", "pass"])
+    exec(change)  # the caller's own, at call time
+    if how == "plain":
+        out = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        print(out.stdout, end="")
+    else:
+        try:
+            result = launcher.run(args)
+            print(result.stdout, end="")
+            print("via", result.via, result.reason)
+        finally:
+            launcher.close()
+    """)
+
+
+def caller_runs(how: str, code: str, change: str, env: dict, before: str = "",
+                modules: str = "json") -> str:
+    """The caller's output (``how``: "plain" or "launcher")."""
+    out = subprocess.run([PY, "-c", CALLER, how, modules, code, before, change], env=env,
+                         timeout=300, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert out.returncode == 0, out.stdout
+    return out.stdout
 
 
 def plain(args, **kwargs) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import PY, plain
+from conftest import PY, caller_runs, plain
 
 BIN = os.path.dirname(PY)
 # Variables of the machine running the tests that would change what both sides show.
@@ -426,13 +426,9 @@ ATTRIBUTES = textwrap.dedent("""\
     print("sigint", signal.getsignal(signal.SIGINT))
     print("blocked", sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
     """)
-CALLER = textwrap.dedent("""\
-    import os, resource, signal, subprocess, sys
-    args = [sys.argv[1], "-c", sys.argv[2]]
-    if sys.argv[3] == "launcher":  # its zygote starts with this process's attributes
-        from preload_launcher import Launcher
-        launcher = Launcher(sys.argv[4].split(","))
-        launcher.run([sys.argv[1], "-c", "pass"])
+# What the caller changes after its zygote started (``conftest.caller_runs``).
+ATTRIBUTE_CHANGES = textwrap.dedent("""\
+    import signal
     os.umask(0o077)
     resource.setrlimit(resource.RLIMIT_NOFILE, (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     cpus = sorted(os.sched_getaffinity(0))
@@ -441,32 +437,22 @@ CALLER = textwrap.dedent("""\
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
-    if sys.argv[3] == "plain":
-        out = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        print(out.stdout, end="")
-    else:
-        try:
-            result = launcher.run(args)
-            print(result.stdout, end="")
-            print("via", result.via, result.reason)
-        finally:
-            launcher.close()
     """)
 
 
-def caller_runs(code, how, modules="json"):
-    """A caller with other attributes than the test's (and than its zygote's) runs ``code``."""
-    env = fresh_env(PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
+def caller_env():
+    return fresh_env(PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([PY, "-c", CALLER, PY, code, how, modules], env=env, timeout=300,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert out.returncode == 0, out.stdout
-    return out.stdout
+
+
+def caller_with_other_attributes(code, how, modules="json"):
+    """A caller with other attributes than the test's (and than its zygote's) runs ``code``."""
+    return caller_runs(how, code, ATTRIBUTE_CHANGES, caller_env(), modules=modules)
 
 
 def test_process_attributes_are_the_callers_at_call_time():
-    ref = caller_runs(ATTRIBUTES, "plain")
-    got = caller_runs(ATTRIBUTES, "launcher")
+    ref = caller_with_other_attributes(ATTRIBUTES, "plain")
+    got = caller_with_other_attributes(ATTRIBUTES, "launcher")
     assert "via zygote" in got
     assert got.replace(got.splitlines()[-1] + "\n", "") == ref
 
@@ -477,15 +463,11 @@ def test_a_signal_the_zygote_ignores_is_not_ignored_for_a_caller_that_does_not()
     fresh interpreter started by that caller does."""
     code = ("import signal; print('sigint', signal.getsignal(signal.SIGINT) is "
             "signal.default_int_handler)")
-    caller = CALLER.replace("\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n",
-                            "\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n", 1)
-    caller = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + caller
-    assert caller.count("default_int_handler") == 1 and caller.count("SIG_IGN)") == 2
-    env = fresh_env(PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
-    outs = [subprocess.run([PY, "-c", caller, PY, code, how, "json"], env=env, timeout=300,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
-            for how in ("plain", "launcher")]
+    change = ATTRIBUTE_CHANGES.replace("signal.signal(signal.SIGINT, signal.SIG_IGN)",
+                                       "signal.signal(signal.SIGINT, signal.default_int_handler)")
+    assert change.count("default_int_handler") == 1
+    before = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    outs = [caller_runs(how, code, change, caller_env(), before) for how in ("plain", "launcher")]
     assert outs[0] == "sigint True\n", outs
     assert outs[1].splitlines()[0] == "sigint True" and "via zygote" in outs[1], outs
 
@@ -513,8 +495,8 @@ def test_thread_pools_start_when_the_step_imports_their_package(torch_launcher, 
 @pytest.mark.needs_torch
 def test_torch_threads_follow_the_callers_cpu_set():
     code = "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())"
-    ref = caller_runs(code, "plain")
-    got = caller_runs(code, "launcher", "torch")
+    ref = caller_with_other_attributes(code, "plain")
+    got = caller_with_other_attributes(code, "launcher", "torch")
     assert "via zygote" in got
     assert got.splitlines()[0] == ref.strip()
 

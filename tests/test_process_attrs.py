@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import PY
+from conftest import PY, caller_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IOPRIO_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31)}.get(os.uname().machine)
@@ -17,28 +17,6 @@ IOPRIO_CLASS_IDLE = 3 << 13
 PR_CAPBSET_DROP, CAP_SYS_NICE, CAP_SYS_RESOURCE = 24, 23, 24
 ADDR_NO_RANDOMIZE = 0x0040000
 
-CALLER = textwrap.dedent("""\
-    import ctypes, os, resource, subprocess, sys
-    how, modules, code, before, change = sys.argv[1:]
-    libc = ctypes.CDLL(None, use_errno=True)
-    exec(before)  # its zygote starts with what this leaves
-    args = [sys.executable, "-c", code]
-    if how == "launcher":
-        from preload_launcher import Launcher
-        launcher = Launcher(modules.split(","))
-        launcher.run([sys.executable, "-c", "pass"])
-    exec(change)  # the caller's own, at call time
-    if how == "plain":
-        out = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        print(out.stdout, end="")
-    else:
-        try:
-            result = launcher.run(args)
-            print(result.stdout, end="")
-            print("via", result.via, result.reason)
-        finally:
-            launcher.close()
-    """)
 
 
 def both_ways(code, change, before="", modules="json", path=()):
@@ -46,13 +24,8 @@ def both_ways(code, change, before="", modules="json", path=()):
     ``before``, starts its zygote, does ``change`` and runs ``python -c code``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(PYTHONPATH=os.pathsep.join([ROOT, *map(str, path)]), PRELOAD_LAUNCHER_PREWARM="0")
-    outs = []
-    for how in ("plain", "launcher"):
-        out = subprocess.run([PY, "-c", CALLER, how, modules, code, before, change], env=env,
-                             timeout=300, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
-        assert out.returncode == 0, out.stdout
-        outs.append(out.stdout)
+    outs = [caller_runs(how, code, change, env, before, modules)
+            for how in ("plain", "launcher")]
     ref, got = outs
     *lines, via = got.splitlines()
     return ref, "".join(line + "\n" for line in lines), via
