@@ -17,12 +17,19 @@ when the program stops and ends as the program ended, a signal included, so the 
 ``wait``/``kill`` and a shell's job control work unchanged. Anything the zygote cannot serve, or a zygote
 that is gone, becomes the real program (``execve``), fds intact.
 
+A zygote still preloading (or restarting) serves a launcher of ranks (``torchrun``,
+``accelerate launch``) once it is done: the launcher and its ranks import the stack, which
+the preload, started earlier, hands over no later than they would import it themselves. Any
+other program runs as itself at once, as a light one (``python -c …`` with a short timeout)
+must not wait for a preload it does not need; each such run is noted for the summary.
+
 ``install`` writes this source behind a ``#!python -IS`` line, the socket path (``SOCKET``) and
 the source of ``protocol`` (``PROTOCOL_SOURCE``, the one wire), of ``process_attrs`` (what a
 program inherits from its caller, sent with the request) and of ``mirroring`` (standing for
 the program): the standard library only, so a stand-in starts in milliseconds.
 """
 
+import collections
 import os
 import signal
 import socket
@@ -38,6 +45,10 @@ PROGRAM = "standin"  # the file multiprocessing runs; the named links beside it 
 # Set only for a stand-in run in place of a program a test process started (suite_wide):
 # "real path\nargv[0]"; taken out of the environment before anything else sees it.
 STANDS_IN_FOR = "_PRELOAD_LAUNCHER_STANDS_IN_FOR"
+# Beside the stand-ins: a line for each program a stand-in ran as itself because the zygote
+# was not serving yet (the zygote never hears of those; the caller's summary counts them).
+RAN_REAL = "ran-real"
+WHILE_PRELOADING = "the zygote was still preloading"
 
 
 def nested_names() -> tuple:
@@ -70,6 +81,7 @@ def install(socket_path: str) -> str:
     with open(fd, "w", encoding="utf-8") as f:
         f.write(f"{shebang}SOCKET = {socket_path!r}\n"
                 f"READY = {zygote_files(socket_path)['ready']!r}\n"
+                f"RAN_REAL_LOG = {os.path.join(directory, RAN_REAL)!r}\n"
                 f"PROTOCOL_SOURCE = {protocol_source!r}\n"
                 f"PROCESS_ATTRS_SOURCE = {attrs_source!r}\n"
                 f"MIRRORING_SOURCE = {mirroring_source!r}\n" + source)
@@ -89,6 +101,17 @@ def trusted(program: str) -> bool:
     runtime directory holding that are ours, and no one else can write to them."""
     directory = os.path.dirname(program)
     return all(owned_privately(p) for p in (program, directory, os.path.dirname(directory)))
+
+
+def ran_real(socket_path: str) -> collections.Counter:
+    """{why: how many} of the programs stand-ins ran as themselves without asking the zygote
+    at ``socket_path`` (since it started)."""
+    try:
+        with open(os.path.join(zygote_files(socket_path)["standins"], RAN_REAL),
+                  encoding="utf-8") as f:
+            return collections.Counter(line.strip() for line in f if line.strip())
+    except OSError:
+        return collections.Counter()
 
 
 def path_entry(directory: str, names: list) -> str:
@@ -164,6 +187,10 @@ class Invocation:
         self.real = which(self.name, self.env["PATH"])
         self.args = [self.name, *argv[1:]]
 
+    def waits_for_preload(self) -> bool:
+        """Whether this program is a launcher of ranks, worth waiting for a preload under way."""
+        return self.name == "torchrun" or (self.name == "accelerate" and self.args[1:2] == ["launch"])
+
     def request(self, fds: list) -> dict:
         return {"args": self.args, "env": self.env, "cwd": os.getcwd(), "spawned": self.spawned,
                 "nested": not self.spawned, "fd_targets": fds,
@@ -195,10 +222,12 @@ def embedded_module(name: str, source: str) -> types.ModuleType:
     return module
 
 
-def submit(socket_path: str, ready: str, invocation: Invocation, fds: list) -> socket.socket:
-    """The request sent to the zygote, or the real program where none serves now: one still
-    preloading (or restarting) would keep the program waiting longer than a fresh start."""
-    if not os.path.exists(ready):
+def submit(socket_path: str, ready: str, ran_real_log: str, invocation: Invocation,
+           fds: list) -> socket.socket:
+    """The request sent to the zygote, or the real program where none serves now. A launcher's
+    request to a zygote still preloading waits in its listener's backlog until it serves."""
+    if not os.path.exists(ready) and not invocation.waits_for_preload():
+        note_ran_real(ran_real_log, WHILE_PRELOADING)
         invocation.become_real()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -212,14 +241,26 @@ def submit(socket_path: str, ready: str, invocation: Invocation, fds: list) -> s
     return sock
 
 
-def main(socket_path: str, ready: str) -> None:
+def note_ran_real(log: str, reason: str) -> None:
+    try:  # one line in one write: appends from many stand-ins never interleave
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except OSError:
+        return  # a zygote gone with its files: nobody is left to count it
+    try:
+        os.write(fd, (reason + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def main(socket_path: str, ready: str, ran_real_log: str) -> None:
     invocation = Invocation(sys.argv, dict(os.environ))
     stdio = open_stdio()  # a closed stdin stays closed in the program
     fds = stdio + inherited_fds()
     # In place before the request: the program may say it is ready at once, and what is sent
     # to us from then on is meant for it (held until the request is sent).
     invocation.mirror.install()
-    sock = submit(socket_path, ready, invocation, fds)
+    sock = submit(socket_path, ready, ran_real_log, invocation, fds)
     mirror = invocation.mirror
     mirror.relay_to(lambda signum: protocol.send_op(sock, "signal", signum=signum))
     running = False
@@ -229,6 +270,8 @@ def main(socket_path: str, ready: str) -> None:
             data = sock.recv(65536)
         except InterruptedError:
             continue
+        except ConnectionResetError:  # the zygote ended with our request unread in its backlog
+            data = b""
         if not data:
             if not running:
                 invocation.become_real()
@@ -258,4 +301,4 @@ if __name__ == "__main__":  # the written executable: SOCKET and the sources pre
     protocol = embedded_module("preload_launcher_protocol", PROTOCOL_SOURCE)  # noqa: F821
     process_attrs = embedded_module("preload_launcher_process_attrs", PROCESS_ATTRS_SOURCE)  # noqa: F821
     mirroring = embedded_module("preload_launcher_mirroring", MIRRORING_SOURCE)  # noqa: F821
-    main(SOCKET, READY)  # noqa: F821
+    main(SOCKET, READY, RAN_REAL_LOG)  # noqa: F821

@@ -9,6 +9,7 @@ output pipe, the timeout and the kill-on-any-exception rule. One zygote's handle
 from __future__ import annotations
 
 import builtins
+import collections
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence, Union
 
-from .. import process_attrs, settings
+from .. import process_attrs, settings, standin
 from ..caller_fds import guarded_stdio
 from ..command import StepSpec, Unsupported, parse_command
 from ..mirroring import Mirror
@@ -200,20 +201,19 @@ class Launcher:
         return self.standin_counts()[0]
 
     def standin_counts(self) -> tuple[int, dict[str, int]]:
-        """(interpreters this launcher's live zygotes forked for stand-ins, {why the others ran
-        the real program: how many})."""
+        """(interpreters its zygotes forked for stand-ins, {why others ran the real one: count})."""
         with self._lock:
-            zygotes = [z for z in self.zygotes if z.poll_ready()]
-        forked, fallbacks = 0, {}
+            zygotes = list(self.zygotes)
+        forked, fallbacks = 0, collections.Counter()
         for z in zygotes:
+            fallbacks.update(standin.ran_real(z.socket_path))  # never asked it (one preloading too)
             try:
-                status = z.request("status")
+                status = z.request("status") if z.poll_ready() else {}
             except (OSError, ValueError):
                 continue
             forked += int(status.get("standin_steps", 0))
-            for reason, n in (status.get("standin_fallbacks") or {}).items():
-                fallbacks[reason] = fallbacks.get(reason, 0) + int(n)
-        return forked, fallbacks
+            fallbacks.update(status.get("standin_fallbacks") or {})
+        return forked, dict(fallbacks)
 
     def _forget_dead(self) -> None:
         """Drop zygotes that are gone (under the lock); one of ours that ended on its own is

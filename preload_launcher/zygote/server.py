@@ -98,7 +98,8 @@ class Zygote(ZygoteRequests):
 
     def reexec(self) -> None:
         """Re-execute: the pid, socket and pipes survive, the preloaded image does not."""
-        remove_all(zygote_files(self.config.socket_path)["ready"])  # stand-ins do not wait
+        # Until the new image serves, stand-ins run the real program (launchers of ranks wait)
+        remove_all(zygote_files(self.config.socket_path)["ready"])
         fds = [self.config.listen_fd, self.config.alive_fd, self.config.lock_fd]
         if self.announced:
             os.environ[RESTARTED_ENV] = "1"  # the new image must not announce again
@@ -133,7 +134,7 @@ class Zygote(ZygoteRequests):
         # by the next test, whose step must not run the old code.
         self.watch = StalenessWatch()
         # Stand-ins ask only a zygote that serves (a stand-in started while it preloads or
-        # restarts runs the real program, never waiting longer than a fresh start). Marked before
+        # restarts runs the real program; a launcher of ranks waits). Marked before
         # anyone is told: a launch made once the starter heard must find the mark (its request
         # waits in the listener's backlog until the loop runs). Empty: created in one step.
         os.close(os.open(zygote_files(self.config.socket_path)["ready"],
