@@ -1,5 +1,7 @@
 """Learned preload: steps teach the next zygote what to import."""
+import json
 import os
+import subprocess
 import time
 
 import pytest
@@ -84,7 +86,6 @@ def test_a_step_teaches_the_next_zygote(learn_site):
         launcher.close()
     # The first step, the second zygote and perhaps the first zygote while idle (timing).
     assert log.read_text().count("slow_a") >= 2
-    import json
     profile = json.load(open(learned["profile"]))
     assert "slow_a" in profile["modules"] and profile["modules"]["slow_a"]["seconds"] >= 0.5
     assert "local_helper" not in profile["modules"]  # the project's own tree is never learned
@@ -260,3 +261,47 @@ def test_a_module_that_is_not_learned_left_nothing_of_its_import_in_the_zygote(t
         assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout) == (0, "[]\n")
     finally:
         launcher.close()
+
+
+# Runs in the virtualenv's interpreter: one session whose step imports a package installed in
+# the virtualenv and a module of the project, then prints what the project's profile holds.
+IN_THE_VIRTUALENV = """
+import json, os, sys
+from preload_launcher import Launcher
+from preload_launcher.zygote import learn
+project, cache = sys.argv[1], os.environ["PRELOAD_LAUNCHER_CACHE_DIR"]
+launcher = Launcher(["json"], project=project)
+try:
+    done = launcher.run([sys.executable, "-c", "import venv_installed, local_helper"],
+                        env=dict(os.environ), cwd=project)
+    assert done.returncode == 0 and done.via == "zygote", (done.via, done.stderr)
+finally:
+    launcher.close()
+print(json.dumps(sorted(learn.Profile(cache, learn.profile_key(project), project).data["modules"])))
+"""
+
+
+def test_packages_installed_in_a_virtualenv_inside_the_project_are_learned(tmp_path):
+    """A project's own ``.venv`` (uv's and poetry's default place) holds installed packages, not
+    the project's code: they are learned like any installed package (none was: everything
+    under the project folder counted as its own). The project's own modules still are not."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "local_helper.py").write_text("X = 1\n")
+    venv = project / ".venv"
+    subprocess.run([PY, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True)
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(purelib, "venv_installed.py"), "w") as f:
+        f.write("X = 1\n")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package
+    env = dict(os.environ, PYTHONPATH=here, PRELOAD_LAUNCHER_PROBE="fake",
+               PRELOAD_LAUNCHER_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("PRELOAD_LAUNCHER_LEARN", None)
+    done = subprocess.run([python, "-c", IN_THE_VIRTUALENV, str(project)], env=env, cwd=project,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    learned = json.loads(done.stdout)
+    assert "venv_installed" in learned and "local_helper" not in learned, learned

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 from ..files import read_json, unlink_all, update_json, write_json
 from ..identity import interpreter_key
+from .staleness import installed_dirs
 
 __all__ = ["Profile", "profile_key", "report_step_imports", "ImportEffects", "undo_import",
            "test_runner_modules", "reaches_test_runner"]
@@ -294,11 +295,15 @@ def undo_import(before: set[str]) -> list[str]:
     return added
 
 
-def _from_project(module, roots: tuple[str, ...]) -> bool:
+def _from_project(module, roots: tuple[str, ...], installed: tuple[str, ...]) -> bool:
+    """Whether ``module`` is the project's code: under its tree, and not in a place packages
+    are installed to that lies deeper there (a ``.venv`` in the project folder)."""
     path = getattr(module, "__file__", None)
     if not path:
         return False
-    return os.path.realpath(path).startswith(roots)
+    path = os.path.realpath(path)
+    root = max((len(r) for r in roots if path.startswith(r)), default=0)
+    return root > max((len(d) for d in installed if path.startswith(d)), default=0)
 
 
 def _zygote_can_import(module, zygote_path: set[str], step_only: set[str]) -> bool:
@@ -329,12 +334,13 @@ def report_step_imports(before: set[str], reports_dir: Optional[str], project: s
         return
     roots = tuple(os.path.join(os.path.realpath(p), "") for p in {project, os.getcwd()}
                   if p and os.path.realpath(p) != "/")
+    installed = tuple(os.path.join(os.path.realpath(d), "") for d in installed_dirs())
     importable = {os.path.abspath(p) for p in zygote_path}
     step_only = {os.path.abspath(p) for p in sys.path if isinstance(p, str)} - importable
     verdicts: dict[str, bool] = {}  # per top-level package
     names = []
     for name, module in list(sys.modules.items()):
-        if name in before or name == "__main__" or _from_project(module, roots):
+        if name in before or name == "__main__" or _from_project(module, roots, installed):
             continue
         top = name.partition(".")[0]
         if top not in verdicts:

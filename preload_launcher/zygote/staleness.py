@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["StalenessWatch"]
+__all__ = ["StalenessWatch", "installed_dirs"]
 
 CHANGED_WHILE_IMPORTING = -2  # a file written while the pass that imported it ran
 # File times come from the kernel's coarse clock, a tick or so behind ``time.time_ns()``: a
@@ -24,11 +24,7 @@ class StalenessWatch:
     imported later (learned while idle) join the watch with ``add_new``."""
 
     def __init__(self) -> None:
-        import site
-        import sysconfig
-        dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-        dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
-        self.site_dirs = {d: _mtime(d) for d in dirs if os.path.isdir(d)}
+        self.site_dirs = {d: _mtime(d) for d in installed_dirs()}
         self.roots = tuple(os.path.join(os.path.realpath(d), "") for d in self.site_dirs)
         self.local_files: dict[str, int] = {}
         self.seen: set[str] = set()  # modules looked at already
@@ -55,6 +51,16 @@ class StalenessWatch:
         changed = [p for p, t in self.local_files.items() if _mtime(p) != t]
         changed += [f"packages in {d}" for d, t in self.site_dirs.items() if _mtime(d) != t]
         return changed
+
+
+def installed_dirs() -> set[str]:
+    """Where this interpreter's standard library and installed packages live (a virtualenv's
+    too, wherever it lies: a project's own ``.venv`` holds installed packages, not its code)."""
+    import site
+    import sysconfig
+    dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    return {d for d in dirs if os.path.isdir(d)}
 
 
 def _mtime(path: str) -> int:
