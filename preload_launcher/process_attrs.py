@@ -7,8 +7,9 @@ sent in the ``StepSpec``) and the child takes them on before user code (``apply`
 forked process cannot have raises ``Unforkable``, and the step runs as a plain subprocess,
 which inherits it: a personality other than the zygote's (the kernel applies it as a program
 starts), a memory limit (``RLIMIT_AS``, ``RLIMIT_DATA``) lowered to what the zygote maps
-already, or nearly (a fresh interpreter starts far below it), an OOM score adjustment,
-scheduling policy or I/O priority the child may not set without a privilege it lacks.
+already, or nearly (a fresh interpreter starts far below it), and whatever the kernel refuses
+the child without a privilege it lacks (a hard limit above the zygote's, a nice value below it,
+CPUs outside its set, a scheduling policy, I/O priority or OOM score adjustment).
 """
 
 from __future__ import annotations
@@ -149,8 +150,6 @@ def affinity_change(attrs: dict) -> Optional[list[int]]:
 
 
 def _quietly(call, *args) -> None:
-    """A limit the zygote cannot grant (a hard limit above its own, a nice value below its
-    own, CPUs outside its set) stays the zygote's: a fork cannot gain privileges."""
     try:
         call(*args)
     except (OSError, ValueError):
@@ -216,15 +215,23 @@ def _set_oom_score_adj(value: int) -> None:
 
 def _take(wanted, get: Callable, put: Callable, named: Callable) -> None:
     """Set one attribute to the caller's value (None: not known, left as it is). One the
-    kernel refuses this process (a privilege the zygote lacks) is ``Unforkable``: the caller's
-    own child has it."""
+    kernel refuses this process (a privilege the zygote lacks: a fork cannot gain one) is
+    ``Unforkable``: the caller's own child has it."""
     if wanted is None or wanted == get():
         return
     try:
         put(wanted)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # setrlimit says EPERM as ValueError
         raise Unforkable(f"a process forked from the zygote may not take its caller's "
-                         f"{named(wanted)} ({err.strerror})") from None
+                         f"{named(wanted)} ({getattr(err, 'strerror', None) or err})") from None
+
+
+def _take_rlimit(name: str, limits: list) -> None:
+    which = getattr(resource, name, None)
+    if which is not None:
+        _take(limits, lambda: list(resource.getrlimit(which)),
+              lambda pair: resource.setrlimit(which, tuple(pair)),
+              lambda pair: f"{name} (soft {pair[0]}, hard {pair[1]})")
 
 
 # What the kernel may refuse a forked process, in the order it is set (the policy before the
@@ -250,13 +257,11 @@ def apply(attrs: dict) -> None:
     _refuse_what_no_fork_can_have(attrs)
     os.umask(attrs["umask"])
     for name, limits in attrs["rlimits"].items():
-        which = getattr(resource, name, None)
-        if which is not None and list(resource.getrlimit(which)) != limits:
-            _quietly(resource.setrlimit, which, tuple(limits))
-    if affinity_change(attrs):
-        _quietly(os.sched_setaffinity, 0, attrs["affinity"])
-    if os.getpriority(os.PRIO_PROCESS, 0) != attrs["nice"]:
-        _quietly(os.setpriority, os.PRIO_PROCESS, 0, attrs["nice"])
+        _take_rlimit(name, limits)
+    _take(affinity_change(attrs), lambda: None, lambda cpus: os.sched_setaffinity(0, cpus),
+          lambda cpus: f"CPU set {cpus}")
+    _take(attrs["nice"], lambda: os.getpriority(os.PRIO_PROCESS, 0),
+          lambda nice: os.setpriority(os.PRIO_PROCESS, 0, nice), lambda nice: f"nice value ({nice})")
     for key, (get, put, named) in REFUSABLE.items():
         _take(attrs.get(key), get, put, named)
     _take_ignored_signals(set(attrs["ignored_signals"]))

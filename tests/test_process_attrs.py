@@ -156,6 +156,54 @@ def test_a_policy_the_zygote_may_not_leave_runs_the_step_plainly():
     assert got == ref and via.startswith("via subprocess") and "scheduling" in via, (got, via)
 
 
+# ---------------------------------------------------------------- nice value, resource limits
+
+READ_NICE = "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
+READ_NOFILE = "import resource; print(*resource.getrlimit(resource.RLIMIT_NOFILE))"
+
+
+def test_a_nice_value_the_zygote_may_not_lower_to_runs_the_step_plainly():
+    """A zygote niced after it started (a daemon under ``renice``): going back to the caller's
+    value needs CAP_SYS_NICE or an RLIMIT_NICE it has not got. A forked step kept the zygote's
+    nice value, silently, where the caller's fresh child has the caller's."""
+    before = (drop_from_bounding_set(CAP_SYS_NICE)
+              + "resource.setrlimit(resource.RLIMIT_NICE, (0, 0))\n")
+    change = ("if how == 'launcher':  # the zygote, ready: niced from here on\n"
+              "    os.setpriority(os.PRIO_PROCESS, launcher.zygotes[0].pid,\n"
+              "                   os.getpriority(os.PRIO_PROCESS, 0) + 5)\n")
+    skip_unless_allowed(before, "cannot drop CAP_SYS_NICE here")
+    ref, got, via = both_ways(READ_NICE, change, before=before)
+    assert ref == f"{os.getpriority(os.PRIO_PROCESS, 0)}\n"
+    assert got == ref and via.startswith("via subprocess") and "nice value" in via, (got, via)
+
+
+def test_a_hard_limit_above_the_zygotes_runs_the_step_plainly():
+    """A zygote whose hard limit on open files was lowered after it started (``prlimit`` on a
+    daemon): raising it needs CAP_SYS_RESOURCE, so a forked step kept the zygote's limits,
+    silently, where the caller's fresh child has the caller's."""
+    import resource
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] <= 256:
+        pytest.skip("this process's hard limit on open files is 256 or less already")
+    before = drop_from_bounding_set(CAP_SYS_RESOURCE)
+    change = ("if how == 'launcher':\n"
+              "    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+              "    resource.prlimit(launcher.zygotes[0].pid, resource.RLIMIT_NOFILE,\n"
+              "                     (min(soft, 256), 256))\n")
+    skip_unless_allowed(before, "cannot drop CAP_SYS_RESOURCE here")
+    ref, got, via = both_ways(READ_NOFILE, change, before=before)
+    assert ref == "%d %d\n" % resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert got == ref and via.startswith("via subprocess") and "RLIMIT_NOFILE" in via, (got, via)
+
+
+def test_a_hard_limit_the_caller_lowered_is_the_steps():
+    """Lowering a hard limit needs no privilege: a forked step takes the caller's."""
+    change = ("soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 200), 200))\n")
+    ref, got, via = both_ways(READ_NOFILE, change)
+    assert ref == "200 200\n"
+    assert got == ref and via.startswith("via zygote"), (got, via)
+
+
 # ---------------------------------------------------------------- I/O priority, timer slack
 
 def test_the_callers_io_priority_is_the_steps():
