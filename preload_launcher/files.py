@@ -128,3 +128,15 @@ def lock_file(path: str, wait_s: float = 0.0) -> Optional[int]:
         except FileNotFoundError:
             pass
         os.close(fd)
+
+
+def roomy_pipe(size: int = 1 << 20) -> tuple[int, int]:
+    """A pipe that holds ``size`` bytes unread where the user's pipe-size limit allows (else
+    the default): a zygote writes its whole status (tens of KiB) once ready, and a caller
+    blocked meanwhile on a launcher that waits for that zygote reads nothing until later."""
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, size)
+    except OSError:
+        pass
+    return r, w

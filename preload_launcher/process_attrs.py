@@ -15,6 +15,7 @@ CPUs outside its set, a scheduling policy, I/O priority or OOM score adjustment)
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import resource
 import signal
@@ -226,6 +227,26 @@ def _take(wanted, get: Callable, put: Callable, named: Callable) -> None:
                          f"{named(wanted)} ({getattr(err, 'strerror', None) or err})") from None
 
 
+# Limits that gate the nice value and the scheduling policy set after them: raised before,
+# lowered after (lowered first, they would refuse the child what the zygote's allowed).
+GATES = ("RLIMIT_NICE", "RLIMIT_RTPRIO")
+
+
+def _raises(name: str, limits: list) -> bool:
+    which = getattr(resource, name, None)
+    if which is None:
+        return False
+    current = resource.getrlimit(which)
+    return any(w != c and (w == resource.RLIM_INFINITY or c != resource.RLIM_INFINITY and w > c)
+               for w, c in zip(limits, current))
+
+
+def _set_affinity(cpus: list) -> None:
+    os.sched_setaffinity(0, cpus)
+    if os.sched_getaffinity(0) != set(cpus):  # the kernel keeps only those of our cpuset
+        raise OSError(errno.EINVAL, "outside the CPUs it may use")
+
+
 def _take_rlimit(name: str, limits: list) -> None:
     which = getattr(resource, name, None)
     if which is not None:
@@ -256,14 +277,18 @@ def apply(attrs: dict) -> None:
         return
     _refuse_what_no_fork_can_have(attrs)
     os.umask(attrs["umask"])
-    for name, limits in attrs["rlimits"].items():
-        _take_rlimit(name, limits)
-    _take(affinity_change(attrs), lambda: None, lambda cpus: os.sched_setaffinity(0, cpus),
-          lambda cpus: f"CPU set {cpus}")
+    rlimits = attrs["rlimits"]
+    for name, limits in rlimits.items():
+        if name not in GATES or _raises(name, limits):
+            _take_rlimit(name, limits)
+    _take(affinity_change(attrs), lambda: None, _set_affinity, lambda cpus: f"CPU set {cpus}")
     _take(attrs["nice"], lambda: os.getpriority(os.PRIO_PROCESS, 0),
           lambda nice: os.setpriority(os.PRIO_PROCESS, 0, nice), lambda nice: f"nice value ({nice})")
     for key, (get, put, named) in REFUSABLE.items():
         _take(attrs.get(key), get, put, named)
+    for name in GATES:
+        if name in rlimits:
+            _take_rlimit(name, rlimits[name])
     _take_ignored_signals(set(attrs["ignored_signals"]))
     if attrs["blocked_signals"] or signal.pthread_sigmask(signal.SIG_BLOCK, []):
         signal.pthread_sigmask(signal.SIG_SETMASK, attrs["blocked_signals"])

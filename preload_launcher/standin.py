@@ -17,11 +17,13 @@ when the program stops and ends as the program ended, a signal included, so the 
 ``wait``/``kill`` and a shell's job control work unchanged. Anything the zygote cannot serve, or a zygote
 that is gone, becomes the real program (``execve``), fds intact.
 
-A zygote still preloading (or restarting) serves a launcher of ranks (``torchrun``,
-``accelerate launch``) once it is done: the launcher and its ranks import the stack, which
-the preload, started earlier, hands over no later than they would import it themselves. Any
-other program runs as itself at once, as a light one (``python -c …`` with a short timeout)
-must not wait for a preload it does not need; each such run is noted for the summary.
+A launcher of ranks (``torchrun``, ``accelerate launch``) started while the zygote still
+preloads (or restarts) waits until it serves, then asks: it and its ranks import the stack, and
+the preload, started earlier, is usually done sooner than they would be. It waits without
+asking (nothing of the program's sits in the zygote's backlog), gives up for the real program
+if the zygote goes, and lets a signal sent meanwhile end it as it would end the program at its
+start. Any other program runs as itself at once, as a light one (``python -c …`` with a short
+timeout) must not wait for a preload it does not need; each such run is noted for the summary.
 
 ``install`` writes this source behind a ``#!python -IS`` line, the socket path (``SOCKET``) and
 the source of ``protocol`` (``PROTOCOL_SOURCE``, the one wire), of ``process_attrs`` (what a
@@ -34,6 +36,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import types
 
 if __name__ != "__main__":  # imported by the launcher; the written executable embeds protocol
@@ -49,6 +52,12 @@ STANDS_IN_FOR = "_PRELOAD_LAUNCHER_STANDS_IN_FOR"
 # was not serving yet (the zygote never hears of those; the caller's summary counts them).
 RAN_REAL = "ran-real"
 WHILE_PRELOADING = "the zygote was still preloading"
+GONE = "the zygote ended before it served"
+SIGNALLED = "signalled"  # while waiting: ends like the program at its start; not counted
+WAIT_POLL_S = 0.05  # a launcher's look for the zygote's ready mark while it preloads
+ALIVE_EVERY_S = 1.0  # and whether the zygote still listens
+# Signals that do not end or stop a program by default: one of these does not end a wait.
+HARMLESS = {signal.SIGCHLD, signal.SIGWINCH, signal.SIGURG, signal.SIGCONT}
 
 
 def nested_names() -> tuple:
@@ -86,6 +95,10 @@ def install(socket_path: str) -> str:
                 f"PROCESS_ATTRS_SOURCE = {attrs_source!r}\n"
                 f"MIRRORING_SOURCE = {mirroring_source!r}\n" + source)
     os.replace(tmp, path)  # a step never runs a half-written stand-in
+    # Made here, so that a stand-in appending to it never makes the directory anew after the
+    # zygote's files went (it opens it without O_CREAT).
+    os.close(os.open(os.path.join(directory, RAN_REAL),
+                     os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     return path if trusted(path) else ""
 
 
@@ -103,15 +116,22 @@ def trusted(program: str) -> bool:
     return all(owned_privately(p) for p in (program, directory, os.path.dirname(directory)))
 
 
-def ran_real(socket_path: str) -> collections.Counter:
+def ran_real(socket_path: str, since: int = 0) -> collections.Counter:
     """{why: how many} of the programs stand-ins ran as themselves without asking the zygote
-    at ``socket_path`` (since it started)."""
+    at ``socket_path``, from offset ``since`` of its record (``ran_real_size`` earlier)."""
     try:
-        with open(os.path.join(zygote_files(socket_path)["standins"], RAN_REAL),
-                  encoding="utf-8") as f:
-            return collections.Counter(line.strip() for line in f if line.strip())
+        with open(os.path.join(zygote_files(socket_path)["standins"], RAN_REAL), "rb") as f:
+            f.seek(since)
+            return collections.Counter(line.strip().decode() for line in f if line.strip())
     except OSError:
         return collections.Counter()
+
+
+def ran_real_size(socket_path: str) -> int:
+    try:
+        return os.stat(os.path.join(zygote_files(socket_path)["standins"], RAN_REAL)).st_size
+    except OSError:
+        return 0
 
 
 def path_entry(directory: str, names: list) -> str:
@@ -188,7 +208,10 @@ class Invocation:
         self.args = [self.name, *argv[1:]]
 
     def waits_for_preload(self) -> bool:
-        """Whether this program is a launcher of ranks, worth waiting for a preload under way."""
+        """Whether this program is a launcher of ranks, worth waiting for a preload under way
+        (not for its help or version)."""
+        if {"-h", "--help", "--version"} & set(self.args[1:]):
+            return False
         return self.name == "torchrun" or (self.name == "accelerate" and self.args[1:2] == ["launch"])
 
     def request(self, fds: list) -> dict:
@@ -222,13 +245,44 @@ def embedded_module(name: str, source: str) -> types.ModuleType:
     return module
 
 
+def listening(socket_path: str) -> bool:
+    """Whether a live socket is bound to ``socket_path`` (a zygote killed while preloading
+    leaves its file behind; ``/proc/net/unix`` lists live sockets only)."""
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            return any(line.rstrip("\n").endswith(" " + socket_path) for line in f)
+    except OSError:
+        return os.path.exists(socket_path)
+
+
+def wait_until_serving(socket_path: str, ready: str, mirror) -> str:
+    """A launcher's wait for a zygote that preloads: "" once it serves; why not otherwise (it
+    has gone, or a signal that ends or stops a program came meanwhile: the real program then
+    meets it at its start, as without us)."""
+    alive_at = time.monotonic() + ALIVE_EVERY_S
+    while not os.path.exists(ready):
+        if set(mirror.held) - HARMLESS:
+            return SIGNALLED
+        if not os.path.exists(socket_path):
+            return GONE
+        if time.monotonic() >= alive_at:
+            if not listening(socket_path):
+                return GONE
+            alive_at = time.monotonic() + ALIVE_EVERY_S
+        time.sleep(WAIT_POLL_S)
+    return ""
+
+
 def submit(socket_path: str, ready: str, ran_real_log: str, invocation: Invocation,
            fds: list) -> socket.socket:
-    """The request sent to the zygote, or the real program where none serves now. A launcher's
-    request to a zygote still preloading waits in its listener's backlog until it serves."""
-    if not os.path.exists(ready) and not invocation.waits_for_preload():
-        note_ran_real(ran_real_log, WHILE_PRELOADING)
-        invocation.become_real()
+    """The request sent to the zygote, or the real program where none serves now."""
+    if not os.path.exists(ready):
+        why = (wait_until_serving(socket_path, ready, invocation.mirror)
+               if invocation.waits_for_preload() else WHILE_PRELOADING)
+        if why:
+            if why != SIGNALLED:
+                note_ran_real(ran_real_log, why)
+            invocation.become_real()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(socket_path)
@@ -243,8 +297,7 @@ def submit(socket_path: str, ready: str, ran_real_log: str, invocation: Invocati
 
 def note_ran_real(log: str, reason: str) -> None:
     try:  # one line in one write: appends from many stand-ins never interleave
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return  # a zygote gone with its files: nobody is left to count it
     try:

@@ -277,7 +277,10 @@ try:
     assert done.returncode == 0 and done.via == "zygote", (done.via, done.stderr)
 finally:
     launcher.close()
-print(json.dumps(sorted(learn.Profile(cache, learn.profile_key(project), project).data["modules"])))
+# What the step reported, folded in here (a zygote ended at once may not have read it yet)
+profile = learn.Profile(cache, learn.profile_key(project), project)
+profile.merge_reports()
+print(json.dumps(sorted(profile.data["modules"])))
 """
 
 

@@ -31,24 +31,38 @@ def test_a_launch_before_the_preload_is_done_does_not_wait_for_it(tmp_path):
     assert seen == {"early": [0, "False\n"], "late": [0, "True\n"]}, seen
 
 
+RANKS_FORKED = [0, ["0 other", "1 other"]]  # torchrun's exit status, each rank's parent
+RANKS_REAL = [0, ["0 torchrun", "1 torchrun"]]
+
+
 @pytest.mark.needs_torch
-def test_a_launcher_of_ranks_started_during_the_preload_waits_for_it(tmp_path):
-    """``torchrun`` (as ``accelerate launch``) started while the zygote preloads is served once
-    the preload is done: it and its ranks import the stack, which the preload hands over no
-    later than they would import it. A plain ``python`` started then runs as itself at once and
-    is counted in the summary's reasons (it went unreported)."""
+@pytest.mark.parametrize("then, ranks", [
+    # served once the preload is done: it and its ranks import the stack, which the preload,
+    # started first, usually hands over sooner (it ran the real torchrun, a whole plain start)
+    ("release", RANKS_FORKED),
+    # a signal sent meanwhile ends it as it ends the program at its start (it was relayed to a
+    # request queued in the zygote's backlog, and the real torchrun ran to its end)
+    ("signal", [-15, []]),
+    # a zygote gone meanwhile: the real program, at once
+    ("zygote_dies", RANKS_REAL),
+])
+def test_a_launcher_of_ranks_started_during_the_preload_waits_for_it(tmp_path, then, ranks):
+    """``torchrun`` (as ``accelerate launch``) started while the zygote preloads waits for it
+    (a plain ``python`` started then runs as itself at once, counted in the summary)."""
     (tmp_path / "held_preload.py").write_text(
         "import os, time\nwhile not os.path.exists(os.environ['HELD_FLAG']):\n"
         "    time.sleep(0.05)\n")
     env = dict(os.environ, HELD_FLAG=str(tmp_path / "flag"),
                PATH=os.pathsep.join([os.path.dirname(PY), os.environ.get("PATH", "")]),
                PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([PY, program("early_rank_launch.py")], env=env, cwd=tmp_path,
+    done = subprocess.run([PY, program("early_rank_launch.py"), then], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
-    assert seen == {"early": [0, "False\n"], "ranks": [0, ["0 other", "1 other"]],
-                    "ran_real": {"the zygote was still preloading": 1}}, seen
+    ran_real = {"the zygote was still preloading": 1}  # the python launch
+    if then == "zygote_dies":
+        ran_real["the zygote ended before it served"] = 1
+    assert seen == {"early": [0, "False\n"], "ranks": ranks, "ran_real": ran_real}, seen
 
 
 # Holds the zygote where it creates its `.ready` mark (the only `.ready` it opens), until

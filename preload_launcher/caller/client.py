@@ -206,7 +206,7 @@ class Launcher:
             zygotes = list(self.zygotes)
         forked, fallbacks = 0, collections.Counter()
         for z in zygotes:
-            fallbacks.update(standin.ran_real(z.socket_path))  # never asked it (one preloading too)
+            fallbacks.update(standin.ran_real(z.socket_path, z.ran_real_from))  # never asked it
             try:
                 status = z.request("status") if z.poll_ready() else {}
             except (OSError, ValueError):

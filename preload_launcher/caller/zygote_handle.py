@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Sequence
 from .. import cuda, protocol, settings, standin
 from ..caller_fds import guarded_stdio
 from ..command import StepSpec, resolves_to_this_interpreter
-from ..files import remove_all, unlink_all, zygote_files
+from ..files import remove_all, roomy_pipe, unlink_all, zygote_files
 from ..gpus import pool_ids as gpu_pool_ids
 from ..interpreter import ZYGOTE_CWD, import_env_mismatch
 from ..result import LauncherError
@@ -73,6 +73,7 @@ class ZygoteProcess:
                                 "set XDG_RUNTIME_DIR to a shorter directory")
         self.log_path = zygote_files(self.socket_path)["log"]
         self.standins = ""  # the stand-in program for this zygote's steps ("" = none)
+        self.ran_real_from = 0  # where this caller's part of the stand-ins' record begins
         self.daemon = daemon
         # A daemon pre-warms by default where there are GPUs, unless `run` started it on its
         # own: that one holds no GPU memory the user did not ask for.
@@ -88,8 +89,7 @@ class ZygoteProcess:
         self.status: dict = {}
         self._alive: Optional[socket.socket] = None  # its end is EOF once we are done with it
         self._ready_r = -1
-        self._ready = threading.Event()
-        self._ready_lock = threading.Lock()
+        self._ready, self._ready_lock = threading.Event(), threading.Lock()
         self._start_error: Optional[BaseException] = None
 
     # -------------------------------------------------------------- lifecycle
@@ -110,7 +110,7 @@ class ZygoteProcess:
         finally:
             os.umask(old_umask)
         listener.listen(128)
-        ready_r, ready_w = os.pipe()
+        ready_r, ready_w = roomy_pipe()  # the zygote's status fits before we read it
         # A socket, not a pipe: the zygote answers on it that it stays for its steps.
         alive, alive_theirs = (None, None) if self.daemon else socket.socketpair()
         alive_r = alive_theirs.fileno() if alive_theirs else -1
@@ -245,6 +245,7 @@ class ZygoteProcess:
         z.modules = list(z.status["modules"])
         z.log_path = zygote_files(socket_path)["log"]
         z.standins = standin.installed(socket_path)
+        z.ran_real_from = standin.ran_real_size(socket_path)  # earlier callers' runs are theirs
         z._ready.set()
         return z
 

@@ -40,6 +40,7 @@ class Zygote(ZygoteRequests):
         self.settings = settings
         self.base_path = base_path
         self.listener = socket.socket(fileno=config.listen_fd)
+        os.set_inheritable(config.listen_fd, False)  # a listener outliving us keeps stand-ins waiting
         self.selector = selectors.DefaultSelector()
         self.steps: dict[int, Step] = {}  # pid -> step
         self.pending: dict[int, protocol.RequestReader] = {}  # fd -> a request being read
@@ -133,8 +134,8 @@ class Zygote(ZygoteRequests):
         # Every zygote, not only a daemon: a module learned from a test's folder may be edited
         # by the next test, whose step must not run the old code.
         self.watch = StalenessWatch()
-        # Stand-ins ask only a zygote that serves (a stand-in started while it preloads or
-        # restarts runs the real program; a launcher of ranks waits). Marked before
+        # Stand-ins ask only a zygote that serves (one started while it preloads or restarts
+        # runs the real program, or, a launcher of ranks, waits for this mark). Marked before
         # anyone is told: a launch made once the starter heard must find the mark (its request
         # waits in the listener's backlog until the loop runs). Empty: created in one step.
         os.close(os.open(zygote_files(self.config.socket_path)["ready"],
