@@ -221,6 +221,7 @@ def run_python_step(target: PythonTarget, state: runtime.ZygoteState,
     modules_before = module_table.known_modules()
     code = run_target(target)
     module_table.stop_checking()
+    program_threads = "threading" in sys.modules  # before the report below can import it
     learn.report_step_imports(modules_before, state.learn_reports_dir, state.project,
                               state.base_path)
-    return runtime.finish(code)
+    return runtime.finish(code, program_threads)

@@ -108,13 +108,16 @@ def flush_std_streams() -> bool:
     return program_exit.flush_std_streams()
 
 
-def finish(code: int) -> int:
+def finish(code: int, program_threads: Optional[bool] = None) -> int:
     """Python's shutdown minus the preloaded modules' teardown: join threads, atexit, flush,
     end ``__main__``'s objects, flush again, report. Returns the exit code for ``exit_with``:
-    120 when flushing the output failed, as python does (a code < 0, death by signal, wins)."""
+    120 when flushing the output failed, as python does (a code < 0, death by signal, wins).
+    ``program_threads``: whether the program had imported threading when it ended (read then,
+    before the launcher's own work at exit could import it; default: now)."""
     # python runs these traced (``program_exit``); it waits for threads only where the
     # program imported threading (its _shutdown is then the program's to see)
-    program_threads = "threading" in sys.modules
+    if program_threads is None:
+        program_threads = "threading" in sys.modules
     if program_threads:
         sys.settrace(program_exit.tracing[0])
         sys.setprofile(program_exit.tracing[1])

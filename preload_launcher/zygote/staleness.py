@@ -4,6 +4,7 @@ once idle, so that no step runs code older than its files)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -53,14 +54,17 @@ class StalenessWatch:
         return changed
 
 
-def installed_dirs() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def installed_dirs() -> frozenset[str]:
     """Where this interpreter's standard library and installed packages live (a virtualenv's
-    too, wherever it lies: a project's own ``.venv`` holds installed packages, not its code)."""
+    too, wherever it lies: a project's own ``.venv`` holds installed packages, not its code).
+    Read once, in the zygote (its ``StalenessWatch``): a step that asks at exit imports nothing
+    (``sysconfig`` imports ``threading`` on 3.12 and later)."""
     import site
     import sysconfig
     dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
-    return {d for d in dirs if os.path.isdir(d)}
+    return frozenset(d for d in dirs if os.path.isdir(d))
 
 
 def _mtime(path: str) -> int:
