@@ -283,7 +283,8 @@ def apply(attrs: dict) -> None:
             _take_rlimit(name, limits)
     _take(affinity_change(attrs), lambda: None, _set_affinity, lambda cpus: f"CPU set {cpus}")
     _take(attrs["nice"], lambda: os.getpriority(os.PRIO_PROCESS, 0),
-          lambda nice: os.setpriority(os.PRIO_PROCESS, 0, nice), lambda nice: f"nice value ({nice})")
+          lambda nice: os.setpriority(os.PRIO_PROCESS, 0, nice),
+          lambda nice: f"nice value ({nice})")
     for key, (get, put, named) in REFUSABLE.items():
         _take(attrs.get(key), get, put, named)
     for name in GATES:

@@ -90,14 +90,14 @@ def install(socket_path: str) -> str:
     with open(fd, "w", encoding="utf-8") as f:
         f.write(f"{shebang}SOCKET = {socket_path!r}\n"
                 f"READY = {zygote_files(socket_path)['ready']!r}\n"
-                f"RAN_REAL_LOG = {os.path.join(directory, RAN_REAL)!r}\n"
+                f"RAN_REAL_LOG = {ran_real_log(socket_path)!r}\n"
                 f"PROTOCOL_SOURCE = {protocol_source!r}\n"
                 f"PROCESS_ATTRS_SOURCE = {attrs_source!r}\n"
                 f"MIRRORING_SOURCE = {mirroring_source!r}\n" + source)
     os.replace(tmp, path)  # a step never runs a half-written stand-in
     # Made here, so that a stand-in appending to it never makes the directory anew after the
     # zygote's files went (it opens it without O_CREAT).
-    os.close(os.open(os.path.join(directory, RAN_REAL),
+    os.close(os.open(ran_real_log(socket_path),
                      os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     return path if trusted(path) else ""
 
@@ -116,11 +116,15 @@ def trusted(program: str) -> bool:
     return all(owned_privately(p) for p in (program, directory, os.path.dirname(directory)))
 
 
+def ran_real_log(socket_path: str) -> str:
+    return os.path.join(zygote_files(socket_path)["standins"], RAN_REAL)
+
+
 def ran_real(socket_path: str, since: int = 0) -> collections.Counter:
     """{why: how many} of the programs stand-ins ran as themselves without asking the zygote
     at ``socket_path``, from offset ``since`` of its record (``ran_real_size`` earlier)."""
     try:
-        with open(os.path.join(zygote_files(socket_path)["standins"], RAN_REAL), "rb") as f:
+        with open(ran_real_log(socket_path), "rb") as f:
             f.seek(since)
             return collections.Counter(line.strip().decode() for line in f if line.strip())
     except OSError:
@@ -129,7 +133,7 @@ def ran_real(socket_path: str, since: int = 0) -> collections.Counter:
 
 def ran_real_size(socket_path: str) -> int:
     try:
-        return os.stat(os.path.join(zygote_files(socket_path)["standins"], RAN_REAL)).st_size
+        return os.stat(ran_real_log(socket_path)).st_size
     except OSError:
         return 0
 
@@ -212,7 +216,8 @@ class Invocation:
         (not for its help or version)."""
         if {"-h", "--help", "--version"} & set(self.args[1:]):
             return False
-        return self.name == "torchrun" or (self.name == "accelerate" and self.args[1:2] == ["launch"])
+        return self.name == "torchrun" or (self.name == "accelerate"
+                                           and self.args[1:2] == ["launch"])
 
     def request(self, fds: list) -> dict:
         return {"args": self.args, "env": self.env, "cwd": os.getcwd(), "spawned": self.spawned,

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 from ..files import read_json, unlink_all, update_json, write_json
 from ..identity import interpreter_key
-from .staleness import installed_dirs
+from .staleness import installed_roots
 
 __all__ = ["Profile", "profile_key", "report_step_imports", "ImportEffects", "undo_import",
            "test_runner_modules", "reaches_test_runner"]
@@ -334,7 +334,7 @@ def report_step_imports(before: set[str], reports_dir: Optional[str], project: s
         return
     roots = tuple(os.path.join(os.path.realpath(p), "") for p in {project, os.getcwd()}
                   if p and os.path.realpath(p) != "/")
-    installed = tuple(os.path.join(os.path.realpath(d), "") for d in installed_dirs())
+    installed = installed_roots()  # read in the zygote: nothing imported here
     importable = {os.path.abspath(p) for p in zygote_path}
     step_only = {os.path.abspath(p) for p in sys.path if isinstance(p, str)} - importable
     verdicts: dict[str, bool] = {}  # per top-level package

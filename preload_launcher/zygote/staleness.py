@@ -8,7 +8,7 @@ import functools
 import os
 import sys
 
-__all__ = ["StalenessWatch", "installed_dirs"]
+__all__ = ["StalenessWatch", "installed_dirs", "installed_roots"]
 
 CHANGED_WHILE_IMPORTING = -2  # a file written while the pass that imported it ran
 # File times come from the kernel's coarse clock, a tick or so behind ``time.time_ns()``: a
@@ -26,7 +26,7 @@ class StalenessWatch:
 
     def __init__(self) -> None:
         self.site_dirs = {d: _mtime(d) for d in installed_dirs()}
-        self.roots = tuple(os.path.join(os.path.realpath(d), "") for d in self.site_dirs)
+        self.roots = installed_roots()
         self.local_files: dict[str, int] = {}
         self.seen: set[str] = set()  # modules looked at already
         self.add_new()
@@ -65,6 +65,12 @@ def installed_dirs() -> frozenset[str]:
     dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
     return frozenset(d for d in dirs if os.path.isdir(d))
+
+
+@functools.lru_cache(maxsize=None)
+def installed_roots() -> tuple[str, ...]:
+    """``installed_dirs`` as prefixes of real paths (``os.sep``-terminated)."""
+    return tuple(os.path.join(os.path.realpath(d), "") for d in installed_dirs())
 
 
 def _mtime(path: str) -> int:
